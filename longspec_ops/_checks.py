@@ -1,0 +1,206 @@
+"""Argument checks shared by the fake, CPU and CUDA implementations of every ``longspec`` op.
+
+Metadata checks (rank, dtype, shape, device, strides) run everywhere, fake tensors included. Checks that read
+tensor *values* (lengths beyond the cache) run in :func:`check_lengths`, which skips itself where reading a
+value would be illegal or would sync the device inside a captured graph; the GPU kernels clamp lengths to the
+cache size so a bad value can never read out of bounds.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_INTS = (torch.int32, torch.int64)
+
+
+def _fail(op: str, msg: str) -> None:
+    raise ValueError(f"longspec.{op}: {msg}")
+
+
+def _rank(op: str, name: str, t: Tensor, rank: int, layout: str) -> None:
+    if not isinstance(t, Tensor):
+        _fail(op, f"{name} must be a Tensor, got {type(t).__name__}")
+    if t.dim() != rank:
+        _fail(op, f"{name} must be {rank}-D {layout}, got shape {tuple(t.shape)}")
+
+
+def _last_dim_contiguous(op: str, name: str, t: Tensor) -> None:
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        _fail(op, f"{name} must have a contiguous last dimension (stride 1), got strides {tuple(t.stride())}")
+
+
+def _same_device(op: str, **tensors: Tensor) -> None:
+    devices = {name: t.device for name, t in tensors.items()}
+    first = next(iter(devices.values()))
+    if any(d != first for d in devices.values()):
+        _fail(op, "all tensors must be on one device, got " + ", ".join(f"{n} on {d}" for n, d in devices.items()))
+
+
+def _heads(op: str, q: Tensor, kname: str, k: Tensor) -> None:
+    Hq, Hkv = q.shape[2], k.shape[2]
+    if Hkv == 0 or Hq % Hkv != 0:
+        _fail(op, f"q's head count ({Hq}) must be a multiple of {kname}'s head count ({Hkv})")
+
+
+def _qkv(op: str, q: Tensor, kname: str, k: Tensor, vname: str, v: Tensor, kv_layout: str) -> None:
+    _rank(op, "q", q, 4, "[B, M, Hq, D]")
+    _rank(op, kname, k, 4, kv_layout)
+    _rank(op, vname, v, 4, kv_layout)
+    if q.dtype not in _FLOATS:
+        _fail(op, f"q must be float16, bfloat16, float32 or float64, got {q.dtype}")
+    for name, t in ((kname, k), (vname, v)):
+        if t.dtype != q.dtype:
+            _fail(op, f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+    if k.shape != v.shape:
+        _fail(op, f"{kname} and {vname} must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[0] != q.shape[0]:
+        _fail(op, f"{kname} batch ({k.shape[0]}) must equal q's batch ({q.shape[0]})")
+    if k.shape[3] != q.shape[3]:
+        _fail(op, f"{kname} head dim ({k.shape[3]}) must equal q's head dim ({q.shape[3]})")
+    _heads(op, q, kname, k)
+    for name, t in (("q", q), (kname, k), (vname, v)):
+        _last_dim_contiguous(op, name, t)
+
+
+def _lengths(op: str, name: str, lens: Tensor, q: Tensor, allow_per_query: bool) -> None:
+    if not isinstance(lens, Tensor):
+        _fail(op, f"{name} must be an int32 Tensor, got {type(lens).__name__}")
+    if lens.dtype not in _INTS:
+        _fail(op, f"{name} must be int32 (or int64), got {lens.dtype}")
+    B, M = q.shape[0], q.shape[1]
+    ok = [(B,)] + ([(B, M)] if allow_per_query else [])
+    if tuple(lens.shape) not in ok:
+        want = "[B] or [B, M]" if allow_per_query else "[B]"
+        _fail(op, f"{name} must have shape {want} = {' or '.join(str(s) for s in ok)}, got {tuple(lens.shape)}")
+
+
+def _mask(op: str, tree_mask: Tensor, q: Tensor, M_keys: int) -> None:
+    _rank(op, "tree_mask", tree_mask, 3, "[B, M, M]")
+    if tree_mask.dtype != torch.bool:
+        _fail(op, f"tree_mask must be bool, got {tree_mask.dtype}")
+    want = (q.shape[0], q.shape[1], M_keys)
+    if tuple(tree_mask.shape) != want:
+        _fail(op, f"tree_mask must have shape [B, M, M] = {want}, got {tuple(tree_mask.shape)}")
+
+
+def _scale(op: str, scale: float) -> None:
+    if not (scale > 0.0) or scale == float("inf"):
+        _fail(op, f"scale must be a finite positive float, got {scale}")
+
+
+def check_merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
+    op = "merge_attn_states"
+    _rank(op, "out_a", out_a, 4, "[B, M, H, D]")
+    _rank(op, "lse_a", lse_a, 3, "[B, H, M]")
+    if out_b.shape != out_a.shape:
+        _fail(op, f"out_b must have out_a's shape {tuple(out_a.shape)}, got {tuple(out_b.shape)}")
+    if out_b.dtype != out_a.dtype or out_a.dtype not in _FLOATS:
+        _fail(op, f"out_a and out_b must share one floating dtype, got {out_a.dtype} and {out_b.dtype}")
+    B, M, H, _ = out_a.shape
+    for name, lse in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if tuple(lse.shape) != (B, H, M):
+            _fail(op, f"{name} must have shape [B, H, M] = {(B, H, M)}, got {tuple(lse.shape)}")
+        if lse.dtype != torch.float32:
+            _fail(op, f"{name} must be float32, got {lse.dtype}")
+    _last_dim_contiguous(op, "out_a", out_a)
+    _last_dim_contiguous(op, "out_b", out_b)
+    _same_device(op, out_a=out_a, lse_a=lse_a, out_b=out_b, lse_b=lse_b)
+
+
+def check_tree(q: Tensor, k: Tensor, v: Tensor, tree_mask: Tensor, scale: float) -> None:
+    op = "tree_attn"
+    _qkv(op, q, "k", k, "v", v, "[B, M, Hkv, D]")
+    if k.shape[1] != q.shape[1]:
+        _fail(op, f"k must hold the M = {q.shape[1]} tree tokens, got {k.shape[1]} rows")
+    _mask(op, tree_mask, q, k.shape[1])
+    _scale(op, scale)
+    _same_device(op, q=q, k=k, v=v, tree_mask=tree_mask)
+
+
+def check_prefix(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_lens: Tensor, scale: float) -> None:
+    op = "prefix_attn"
+    _qkv(op, q, "k_cache", k_cache, "v_cache", v_cache, "[B, N, Hkv, D]")
+    _lengths(op, "kv_lens", kv_lens, q, allow_per_query=True)
+    _scale(op, scale)
+    _same_device(op, q=q, k_cache=k_cache, v_cache=v_cache, kv_lens=kv_lens)
+
+
+def check_hybrid(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, tree_mask, scale) -> None:
+    op = "hybrid_tree_attn"
+    _qkv(op, q, "k_cache", k_cache, "v_cache", v_cache, "[B, N, Hkv, D]")
+    _qkv(op, q, "k_tree", k_tree, "v_tree", v_tree, "[B, M, Hkv, D]")
+    if k_tree.shape[1] != q.shape[1]:
+        _fail(op, f"k_tree must hold the M = {q.shape[1]} tree tokens, got {k_tree.shape[1]} rows")
+    if k_tree.shape[2] != k_cache.shape[2]:
+        _fail(op, f"k_tree heads ({k_tree.shape[2]}) must equal k_cache heads ({k_cache.shape[2]})")
+    _lengths(op, "cache_seqlens", cache_seqlens, q, allow_per_query=False)
+    _mask(op, tree_mask, q, q.shape[1])
+    _scale(op, scale)
+    _same_device(op, q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
+                 k_tree=k_tree, v_tree=v_tree, tree_mask=tree_mask)
+
+
+def check_draft_cross(q, k_cache, v_cache, q_pos, cache_seqlens, scale) -> None:
+    op = "draft_cross_attn"
+    _qkv(op, q, "k_cache", k_cache, "v_cache", v_cache, "[B, N, Hkv, D]")
+    _lengths(op, "cache_seqlens", cache_seqlens, q, allow_per_query=False)
+    if not isinstance(q_pos, Tensor) or q_pos.dtype not in _INTS:
+        _fail(op, f"q_pos must be an int32 Tensor [B, M], got {getattr(q_pos, 'dtype', type(q_pos).__name__)}")
+    if tuple(q_pos.shape) != tuple(q.shape[:2]):
+        _fail(op, f"q_pos must have shape [B, M] = {tuple(q.shape[:2])}, got {tuple(q_pos.shape)}")
+    _scale(op, scale)
+    _same_device(op, q=q, k_cache=k_cache, v_cache=v_cache, q_pos=q_pos, cache_seqlens=cache_seqlens)
+
+
+def check_commit(kv_cache: Tensor, cache_seqlens: Tensor, accept_index: Tensor, accept_lens: Tensor) -> None:
+    op = "commit_kv_"
+    _rank(op, "kv_cache", kv_cache, 5, "[P, B, N, Hkv, D] (P = 2 x layers)")
+    if not kv_cache.is_contiguous():
+        _fail(op, "kv_cache must be contiguous (one preallocated tensor for all layers)")
+    B = kv_cache.shape[1]
+    for name, t in (("cache_seqlens", cache_seqlens), ("accept_lens", accept_lens)):
+        if t.dtype not in _INTS or tuple(t.shape) != (B,):
+            _fail(op, f"{name} must be int32 [B] = ({B},), got {t.dtype} {tuple(t.shape)}")
+    if accept_index.dtype not in _INTS or accept_index.dim() != 2 or accept_index.shape[0] != B:
+        _fail(op, f"accept_index must be int32 [B, A] with B = {B}, got {accept_index.dtype} {tuple(accept_index.shape)}")
+    _same_device(op, kv_cache=kv_cache, cache_seqlens=cache_seqlens, accept_index=accept_index, accept_lens=accept_lens)
+
+
+def _values_readable(*ts: Tensor) -> bool:
+    """Whether value checks may run: real tensors, outside graph capture and tracing."""
+    if torch.compiler.is_compiling():
+        return False
+    for t in ts:
+        if t.device.type == "meta" or isinstance(t, torch._subclasses.FakeTensor):
+            return False
+        if t.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False
+    return True
+
+
+def check_lengths(op: str, name: str, lens: Tensor, limit: int) -> None:
+    """Every value of ``lens`` must lie in [0, limit]. Syncs a CUDA device; skipped under capture or tracing."""
+    if lens.numel() == 0 or not _values_readable(lens):
+        return
+    lo, hi = int(lens.min()), int(lens.max())
+    if lo < 0 or hi > limit:
+        _fail(op, f"{name} values must lie in [0, {limit}] (the cache holds {limit} rows), got min {lo}, max {hi}")
+
+
+def check_commit_values(kv_cache: Tensor, cache_seqlens: Tensor, accept_index: Tensor, accept_lens: Tensor) -> None:
+    op = "commit_kv_"
+    if not _values_readable(cache_seqlens, accept_index, accept_lens):
+        return
+    N, A = kv_cache.shape[2], accept_index.shape[1]
+    check_lengths(op, "accept_lens", accept_lens, A)
+    valid = torch.arange(A, device=accept_index.device)[None, :] < accept_lens.to(torch.int64)[:, None]
+    if not bool(valid.any()):
+        return
+    idx = accept_index.to(torch.int64)
+    if int(torch.where(valid, idx, 0).min()) < 0:
+        _fail(op, "accept_index values must be >= 0")
+    base = cache_seqlens.to(torch.int64)[:, None]
+    reach = int(torch.where(valid, base + torch.maximum(idx, torch.arange(A, device=idx.device)), 0).max())
+    if reach > N - 1:
+        _fail(op, f"cache_seqlens + accept_index reaches row {reach}, beyond the cache's {N} rows")

@@ -1,0 +1,216 @@
+"""Every ``longspec::*`` op: its schema, its fake (meta) kernel, its CPU kernel and its Python CUDA kernel.
+
+One place for the whole surface. Ops are registered directly on a ``torch.library.Library`` (vLLM style) rather
+than through ``custom_op``/``triton_op``, which keeps eager dispatch overhead at a few microseconds; each op stays
+opaque to ``torch.compile`` through its fake kernel and is safe under CUDA-graph capture.
+
+Kernels:
+  * CPU: the pure-PyTorch references in :mod:`longspec_ops.reference` (they are also the test oracles).
+  * CUDA: Triton kernels in :mod:`longspec_ops.kernels` for the attention ops; the C++ extension
+    ``longspec_ops._C`` (``csrc/``) registers ``merge_attn_states`` and ``commit_kv_`` for CUDA when it is built.
+    Without it those two run the PyTorch reference on CUDA, and :func:`longspec_ops.has_cuda_kernels` says so.
+
+Conventions (flash-attn layout): q ``[B, M, Hq, D]``; caches ``[B, N, Hkv, D]`` with rows ``[0, len)`` valid; tree
+k/v ``[B, M, Hkv, D]``; lse float32 ``[B, Hq, M]`` in natural log; out has q's dtype and is contiguous. Any strides
+with a contiguous last dimension are accepted. An empty key set gives out 0 and lse -inf.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import _checks
+from .reference import attention as ref
+
+lib = torch.library.Library("longspec", "FRAGMENT")
+
+
+def _empty_outputs(q: Tensor) -> tuple[Tensor, Tensor]:
+    B, M, Hq, D = q.shape
+    out = torch.empty((B, M, Hq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq, M), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+def _kernels():
+    # Imported on first CUDA call so that CPU-only use never needs a working Triton.
+    from . import kernels
+
+    return kernels
+
+
+# merge_attn_states ---------------------------------------------------------------------------------------------
+lib.define("merge_attn_states(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) -> (Tensor out, Tensor lse)")
+
+
+@torch.library.register_fake("longspec::merge_attn_states", lib=lib)
+def _merge_fake(out_a, lse_a, out_b, lse_b):
+    _checks.check_merge(out_a, lse_a, out_b, lse_b)
+    return _empty_outputs(out_a)
+
+
+def _merge_impl(out_a, lse_a, out_b, lse_b):
+    _checks.check_merge(out_a, lse_a, out_b, lse_b)
+    out, lse = ref.merge_attn_states(out_a, lse_a, out_b, lse_b)
+    return out.contiguous(), lse.contiguous()
+
+
+lib.impl("merge_attn_states", _merge_impl, "CPU")
+
+
+# tree_attn -----------------------------------------------------------------------------------------------------
+lib.define("tree_attn(Tensor q, Tensor k, Tensor v, Tensor tree_mask, float scale) -> (Tensor out, Tensor lse)")
+
+
+@torch.library.register_fake("longspec::tree_attn", lib=lib)
+def _tree_fake(q, k, v, tree_mask, scale):
+    _checks.check_tree(q, k, v, tree_mask, scale)
+    return _empty_outputs(q)
+
+
+def _tree_cpu(q, k, v, tree_mask, scale):
+    _checks.check_tree(q, k, v, tree_mask, scale)
+    out, lse = ref.tree_attn(q, k, v, tree_mask, scale)
+    return out.contiguous(), lse
+
+
+def _tree_cuda(q, k, v, tree_mask, scale):
+    _checks.check_tree(q, k, v, tree_mask, scale)
+    return _kernels().tree_attn(q, k, v, tree_mask, scale)
+
+
+lib.impl("tree_attn", _tree_cpu, "CPU")
+lib.impl("tree_attn", _tree_cuda, "CUDA")
+
+
+# prefix_attn ---------------------------------------------------------------------------------------------------
+lib.define("prefix_attn(Tensor q, Tensor k_cache, Tensor v_cache, Tensor kv_lens, float scale) -> (Tensor out, Tensor lse)")
+
+
+@torch.library.register_fake("longspec::prefix_attn", lib=lib)
+def _prefix_fake(q, k_cache, v_cache, kv_lens, scale):
+    _checks.check_prefix(q, k_cache, v_cache, kv_lens, scale)
+    return _empty_outputs(q)
+
+
+def _prefix_cpu(q, k_cache, v_cache, kv_lens, scale):
+    _checks.check_prefix(q, k_cache, v_cache, kv_lens, scale)
+    _checks.check_lengths("prefix_attn", "kv_lens", kv_lens, k_cache.shape[1])
+    out, lse = ref.prefix_attn(q, k_cache, v_cache, kv_lens, scale)
+    return out.contiguous(), lse
+
+
+def _prefix_cuda(q, k_cache, v_cache, kv_lens, scale):
+    _checks.check_prefix(q, k_cache, v_cache, kv_lens, scale)
+    _checks.check_lengths("prefix_attn", "kv_lens", kv_lens, k_cache.shape[1])
+    return _kernels().prefix_attn(q, k_cache, v_cache, kv_lens, scale)
+
+
+lib.impl("prefix_attn", _prefix_cpu, "CPU")
+lib.impl("prefix_attn", _prefix_cuda, "CUDA")
+
+
+# hybrid_tree_attn ----------------------------------------------------------------------------------------------
+lib.define(
+    "hybrid_tree_attn("
+    "Tensor q, "
+    "Tensor k_cache, "
+    "Tensor v_cache, "
+    "Tensor cache_seqlens, "
+    "Tensor k_tree, "
+    "Tensor v_tree, "
+    "Tensor tree_mask, "
+    "float scale"
+    ") -> (Tensor out, Tensor lse)"
+)
+
+
+@torch.library.register_fake("longspec::hybrid_tree_attn", lib=lib)
+def _hybrid_fake(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, tree_mask, scale):
+    _checks.check_hybrid(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, tree_mask, scale)
+    return _empty_outputs(q)
+
+
+def _hybrid_cpu(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, tree_mask, scale):
+    _checks.check_hybrid(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, tree_mask, scale)
+    _checks.check_lengths("hybrid_tree_attn", "cache_seqlens", cache_seqlens, k_cache.shape[1])
+    out, lse = ref.hybrid_tree_attn(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, tree_mask, scale)
+    return out.contiguous(), lse
+
+
+def _hybrid_cuda(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, tree_mask, scale):
+    _checks.check_hybrid(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, tree_mask, scale)
+    _checks.check_lengths("hybrid_tree_attn", "cache_seqlens", cache_seqlens, k_cache.shape[1])
+    return _kernels().hybrid_tree_attn(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, tree_mask, scale)
+
+
+lib.impl("hybrid_tree_attn", _hybrid_cpu, "CPU")
+lib.impl("hybrid_tree_attn", _hybrid_cuda, "CUDA")
+
+
+# draft_cross_attn ----------------------------------------------------------------------------------------------
+lib.define(
+    "draft_cross_attn("
+    "Tensor q, "
+    "Tensor k_cache, "
+    "Tensor v_cache, "
+    "Tensor q_pos, "
+    "Tensor cache_seqlens, "
+    "float scale"
+    ") -> (Tensor out, Tensor lse)"
+)
+
+
+@torch.library.register_fake("longspec::draft_cross_attn", lib=lib)
+def _draft_cross_fake(q, k_cache, v_cache, q_pos, cache_seqlens, scale):
+    _checks.check_draft_cross(q, k_cache, v_cache, q_pos, cache_seqlens, scale)
+    return _empty_outputs(q)
+
+
+def _draft_cross_cpu(q, k_cache, v_cache, q_pos, cache_seqlens, scale):
+    _checks.check_draft_cross(q, k_cache, v_cache, q_pos, cache_seqlens, scale)
+    _checks.check_lengths("draft_cross_attn", "cache_seqlens", cache_seqlens, k_cache.shape[1])
+    out, lse = ref.draft_cross_attn(q, k_cache, v_cache, q_pos, cache_seqlens, scale)
+    return out.contiguous(), lse
+
+
+def _draft_cross_cuda(q, k_cache, v_cache, q_pos, cache_seqlens, scale):
+    _checks.check_draft_cross(q, k_cache, v_cache, q_pos, cache_seqlens, scale)
+    _checks.check_lengths("draft_cross_attn", "cache_seqlens", cache_seqlens, k_cache.shape[1])
+    kv_lens = ref.draft_kv_lens(q_pos, cache_seqlens)
+    return _kernels().prefix_attn(q, k_cache, v_cache, kv_lens, scale)
+
+
+lib.impl("draft_cross_attn", _draft_cross_cpu, "CPU")
+lib.impl("draft_cross_attn", _draft_cross_cuda, "CUDA")
+
+
+# commit_kv_ ----------------------------------------------------------------------------------------------------
+lib.define(
+    "commit_kv_("
+    "Tensor(a!) kv_cache, "
+    "Tensor cache_seqlens, "
+    "Tensor accept_index, "
+    "Tensor accept_lens"
+    ") -> ()"
+)
+
+
+@torch.library.register_fake("longspec::commit_kv_", lib=lib)
+def _commit_fake(kv_cache, cache_seqlens, accept_index, accept_lens):
+    _checks.check_commit(kv_cache, cache_seqlens, accept_index, accept_lens)
+
+
+def _commit_impl(kv_cache, cache_seqlens, accept_index, accept_lens):
+    _checks.check_commit(kv_cache, cache_seqlens, accept_index, accept_lens)
+    _checks.check_commit_values(kv_cache, cache_seqlens, accept_index, accept_lens)
+    ref.commit_kv_(kv_cache, cache_seqlens, accept_index, accept_lens)
+
+
+lib.impl("commit_kv_", _commit_impl, "CPU")
+
+
+def register_reference_cuda_fallbacks() -> None:
+    """Run merge_attn_states and commit_kv_ through the PyTorch reference on CUDA (only when ``_C`` is absent)."""
+    lib.impl("merge_attn_states", _merge_impl, "CUDA")
+    lib.impl("commit_kv_", _commit_impl, "CUDA")

@@ -1,0 +1,129 @@
+"""Typed public wrappers over ``torch.ops.longspec``: defaults and documentation; the ops check their arguments."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+_ops = torch.ops.longspec
+
+
+def _scale(q: Tensor, scale: Optional[float]) -> float:
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+
+
+def merge_attn_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
+    """Exact softmax merge of two partial attentions over disjoint key sets.
+
+    Args:
+        out_a, out_b: ``[B, M, H, D]`` partial outputs, one floating dtype.
+        lse_a, lse_b: float32 ``[B, H, M]`` natural-log sums of exponentials; ``-inf`` marks an empty side.
+
+    Returns:
+        ``(out [B, M, H, D], lse float32 [B, H, M])`` with ``lse = logaddexp(lse_a, lse_b)``. Two empty sides give
+        out 0 and lse -inf, never NaN.
+    """
+    return _ops.merge_attn_states(out_a, lse_a, out_b, lse_b)
+
+
+def tree_attn(q: Tensor, k: Tensor, v: Tensor, tree_mask: Tensor, scale: Optional[float] = None) -> tuple[Tensor, Tensor]:
+    """Masked attention among the M tree tokens (the paper's fused_mask_attn).
+
+    Args:
+        q: ``[B, M, Hq, D]``; k, v: ``[B, M, Hkv, D]`` with ``Hq % Hkv == 0``.
+        tree_mask: bool ``[B, M, M]``, True where query i may see key j (any boolean mask).
+        scale: softmax scale, default ``1/sqrt(D)``.
+
+    Returns:
+        ``(out [B, M, Hq, D], lse float32 [B, Hq, M])``.
+
+    Example::
+
+        >>> q = torch.randn(1, 5, 4, 64); k = v = torch.randn(1, 5, 2, 64)
+        >>> mask = torch.ones(1, 5, 5, dtype=torch.bool).tril()
+        >>> out, lse = tree_attn(q, k, v, mask)
+    """
+    return _ops.tree_attn(q, k, v, tree_mask, _scale(q, scale))
+
+
+def prefix_attn(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_lens: Tensor, scale: Optional[float] = None
+) -> tuple[Tensor, Tensor]:
+    """Non-causal attention of M queries over cache rows ``[0, kv_lens)``.
+
+    Args:
+        q: ``[B, M, Hq, D]``; k_cache, v_cache: ``[B, N, Hkv, D]``.
+        kv_lens: int32 ``[B]`` (every query sees rows ``[0, kv_lens[b])``) or ``[B, M]`` (per query).
+        scale: softmax scale, default ``1/sqrt(D)``.
+
+    Returns:
+        ``(out [B, M, Hq, D], lse float32 [B, Hq, M])``; a query that sees no row gets out 0, lse -inf.
+    """
+    return _ops.prefix_attn(q, k_cache, v_cache, kv_lens, _scale(q, scale))
+
+
+def hybrid_tree_attn(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    cache_seqlens: Tensor,
+    k_tree: Tensor,
+    v_tree: Tensor,
+    tree_mask: Tensor,
+    scale: Optional[float] = None,
+) -> tuple[Tensor, Tensor]:
+    """Exact attention of M tree queries over the committed cache plus the tree block under its mask.
+
+    Equals one softmax over the union of rows ``[0, cache_seqlens[b])`` of the cache and the tree keys j with
+    ``tree_mask[b, i, j]``.
+
+    Args:
+        q: ``[B, M, Hq, D]``; k_cache, v_cache: ``[B, N, Hkv, D]``; cache_seqlens: int32 ``[B]``.
+        k_tree, v_tree: ``[B, M, Hkv, D]``; tree_mask: bool ``[B, M, M]``.
+        scale: softmax scale, default ``1/sqrt(D)``.
+
+    Returns:
+        ``(out [B, M, Hq, D], lse float32 [B, Hq, M])``.
+
+    Example::
+
+        >>> B, N, M, Hq, Hkv, D = 1, 1024, 69, 32, 8, 128
+        >>> q = torch.randn(B, M, Hq, D); kc = vc = torch.randn(B, N, Hkv, D)
+        >>> kt = vt = torch.randn(B, M, Hkv, D); mask = torch.eye(M, dtype=torch.bool)[None]
+        >>> out, lse = hybrid_tree_attn(q, kc, vc, torch.tensor([1000], dtype=torch.int32), kt, vt, mask)
+    """
+    return _ops.hybrid_tree_attn(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, tree_mask, _scale(q, scale))
+
+
+def draft_cross_attn(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, q_pos: Tensor, cache_seqlens: Tensor, scale: Optional[float] = None
+) -> tuple[Tensor, Tensor]:
+    """The LongSpec draft's cross-attention into the target's (last-layer) KV cache.
+
+    Query i, at absolute position ``q_pos[b, i]``, sees target rows ``[0, min(q_pos[b, i], cache_seqlens[b]))``:
+    a re-fed token at position t sees the rows before t, a tree node sees the rows before the root (at
+    ``cache_seqlens[b]``).
+
+    Args:
+        q: ``[B, M, Hq, D]`` (RoPE applied at q_pos); k_cache, v_cache: ``[B, N, Hkv, D]`` (keys post-RoPE).
+        q_pos: int32 ``[B, M]``; cache_seqlens: int32 ``[B]``; scale: default ``1/sqrt(D)``.
+    """
+    return _ops.draft_cross_attn(q, k_cache, v_cache, q_pos, cache_seqlens, _scale(q, scale))
+
+
+def commit_kv_(kv_cache: Tensor, cache_seqlens: Tensor, accept_index: Tensor, accept_lens: Tensor) -> None:
+    """Move the accepted tree rows into their committed slots, in place, for all layers in one call.
+
+    Args:
+        kv_cache: contiguous ``[P, B, N, Hkv, D]`` (P = 2 x layers: one allocation for every layer's K and V);
+            the tree's K/V were written at rows ``cache_seqlens[b] + [0, M)``.
+        cache_seqlens: int32 ``[B]`` committed lengths before this round (not updated here).
+        accept_index: int32 ``[B, A]`` tree indices of the accepted path, in path order.
+        accept_lens: int32 ``[B]`` number of valid entries of each accept_index row.
+
+    Row ``cache_seqlens[b] + j`` of every plane receives row ``cache_seqlens[b] + accept_index[b, j]`` for
+    ``j < accept_lens[b]``; all sources are read before any destination is written.
+    """
+    _ops.commit_kv_(kv_cache, cache_seqlens, accept_index, accept_lens)

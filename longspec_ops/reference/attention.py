@@ -1,0 +1,139 @@
+"""Pure-PyTorch references for the ``longspec`` attention ops.
+
+Each function here is at once the CPU kernel of its op, the test oracle for the GPU kernels and the
+benchmark baseline. They favour clarity over speed, accumulate in float32 (float64 inputs stay float64)
+and follow flash-attn's layout:
+
+    q        [B, M, Hq, D]      queries (M new tokens)
+    k/v      [B, N, Hkv, D]     cache rows, rows [0, len) valid; or [B, M, Hkv, D] tree keys
+    out      [B, M, Hq, D]      same dtype as q
+    lse      [B, Hq, M]         float32, natural log; -inf where a query sees no key (out is then 0)
+
+Query head h reads kv head h // (Hq // Hkv).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _acc_dtype(t: Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def masked_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Attention of q [B, M, Hq, D] over keys k/v [B, N, Hkv, D] where ``visible`` [B, M, N] (bool) is True.
+
+    Returns out [B, M, Hq, D] (q's dtype) and lse [B, Hq, M] (float32). Rows with no visible key give
+    out = 0 and lse = -inf.
+    """
+    B, M, Hq, D = q.shape
+    Hkv = k.shape[2]
+    G = Hq // Hkv
+    acc = _acc_dtype(q)
+    qf = q.to(acc).reshape(B, M, Hkv, G, D)
+    kf = k.to(acc)
+    vf = v.to(acc)
+    # scores [B, Hkv, G, M, N]
+    s = torch.einsum("bmhgd,bnhd->bhgmn", qf, kf) * scale
+    s = s.masked_fill(~visible[:, None, None, :, :], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # -inf on empty rows
+    p = torch.exp(s - lse[..., None].masked_fill(torch.isinf(lse)[..., None], 0.0))
+    p = p.masked_fill(~visible[:, None, None, :, :], 0.0)
+    o = torch.einsum("bhgmn,bnhd->bmhgd", p, vf)
+    out = o.reshape(B, M, Hq, D).to(q.dtype)
+    return out, lse.reshape(B, Hq, M).to(torch.float32)
+
+
+def merge_attn_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
+    """Exact softmax merge of two partial attentions over disjoint key sets.
+
+    out_* [B, M, H, D], lse_* float32 [B, H, M]. lse = logaddexp(lse_a, lse_b); out is the lse-weighted sum.
+    Either side may be -inf (empty); both -inf gives out 0 and lse -inf.
+    """
+    acc = _acc_dtype(out_a)
+    la = lse_a.to(acc)
+    lb = lse_b.to(acc)
+    lse = torch.logaddexp(la, lb)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    wa = torch.exp(la - safe)  # exp(-inf) = 0 on an empty side
+    wb = torch.exp(lb - safe)
+    wa = wa.transpose(1, 2)[..., None]  # [B, M, H, 1]
+    wb = wb.transpose(1, 2)[..., None]
+    out = out_a.to(acc) * wa + out_b.to(acc) * wb
+    return out.to(out_a.dtype), lse.to(torch.float32)
+
+
+def prefix_visibility(kv_lens: Tensor, M: int, N: int) -> Tensor:
+    """visible [B, M, N]: query i sees rows [0, kv_lens[b]) or [0, kv_lens[b, i])."""
+    lens = kv_lens.to(torch.int64)
+    if lens.dim() == 1:
+        lens = lens[:, None].expand(-1, M)
+    cols = torch.arange(N, device=kv_lens.device)
+    return cols[None, None, :] < lens[:, :, None]
+
+
+def prefix_attn(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_lens: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Non-causal attention of q [B, M, Hq, D] over cache rows [0, kv_lens) of k/v_cache [B, N, Hkv, D]."""
+    visible = prefix_visibility(kv_lens, q.shape[1], k_cache.shape[1])
+    return masked_attention(q, k_cache, v_cache, visible, scale)
+
+
+def tree_attn(q: Tensor, k: Tensor, v: Tensor, tree_mask: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Attention among the M tree tokens: query i sees key j where tree_mask[b, i, j] (bool [B, M, M])."""
+    return masked_attention(q, k, v, tree_mask, scale)
+
+
+def hybrid_tree_attn(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    cache_seqlens: Tensor,
+    k_tree: Tensor,
+    v_tree: Tensor,
+    tree_mask: Tensor,
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    """One softmax over committed rows [0, cache_seqlens[b]) plus the tree keys each mask row allows.
+
+    Computed as the paper does: prefix attention and tree attention, merged exactly by LSE.
+    """
+    out_p, lse_p = prefix_attn(q, k_cache, v_cache, cache_seqlens, scale)
+    out_t, lse_t = tree_attn(q, k_tree, v_tree, tree_mask, scale)
+    return merge_attn_states(out_p, lse_p, out_t, lse_t)
+
+
+def draft_kv_lens(q_pos: Tensor, cache_seqlens: Tensor) -> Tensor:
+    """Per-query visible target rows for the draft's cross-attention: [0, min(q_pos, cache_seqlens[b])).
+
+    A re-fed token at position t sees target rows before t (delta = 1); a tree node sees the rows before
+    the root, whose position is cache_seqlens[b].
+    """
+    return torch.minimum(q_pos.to(torch.int32), cache_seqlens.to(torch.int32)[:, None]).clamp_min(0)
+
+
+def draft_cross_attn(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, q_pos: Tensor, cache_seqlens: Tensor, scale: float
+) -> tuple[Tensor, Tensor]:
+    """The draft's cross-attention into the target's cache; query i sees rows [0, min(q_pos[b, i], cache_seqlens[b]))."""
+    return prefix_attn(q, k_cache, v_cache, draft_kv_lens(q_pos, cache_seqlens), scale)
+
+
+def commit_kv_(kv_cache: Tensor, cache_seqlens: Tensor, accept_index: Tensor, accept_lens: Tensor) -> None:
+    """Move accepted tree rows into place, in place, for every plane of ``kv_cache`` [P, B, N, Hkv, D].
+
+    For each row b and j < accept_lens[b]: rows ``cache_seqlens[b] + j`` of every plane receive the rows
+    ``cache_seqlens[b] + accept_index[b, j]`` as they were before the call (sources are read before any write).
+    """
+    P, B, N = kv_cache.shape[:3]
+    A = accept_index.shape[1]
+    if A == 0:
+        return
+    base = cache_seqlens.to(torch.int64)[:, None]
+    j = torch.arange(A, device=kv_cache.device)[None, :]
+    valid = j < accept_lens.to(torch.int64)[:, None]  # [B, A]
+    src = torch.where(valid, base + accept_index.to(torch.int64), base + j)
+    dst = base + j
+    b = torch.arange(B, device=kv_cache.device)[:, None].expand(B, A)
+    rows = kv_cache[:, b[valid], src[valid]].clone()  # gather first: sources may overlap destinations
+    kv_cache[:, b[valid], dst[valid]] = rows
