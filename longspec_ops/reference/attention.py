@@ -96,11 +96,13 @@ def hybrid_tree_attn(
 ) -> tuple[Tensor, Tensor]:
     """One softmax over committed rows [0, cache_seqlens[b]) plus the tree keys each mask row allows.
 
-    Computed as the paper does: prefix attention and tree attention, merged exactly by LSE.
+    Computed as a single masked softmax over the concatenated keys (the GPU kernels split and merge by LSE).
     """
-    out_p, lse_p = prefix_attn(q, k_cache, v_cache, cache_seqlens, scale)
-    out_t, lse_t = tree_attn(q, k_tree, v_tree, tree_mask, scale)
-    return merge_attn_states(out_p, lse_p, out_t, lse_t)
+    M, N = q.shape[1], k_cache.shape[1]
+    visible = torch.cat([prefix_visibility(cache_seqlens, M, N), tree_mask], dim=-1)
+    keys = torch.cat([k_cache, k_tree], dim=1)
+    values = torch.cat([v_cache, v_tree], dim=1)
+    return masked_attention(q, keys, values, visible, scale)
 
 
 def draft_kv_lens(q_pos: Tensor, cache_seqlens: Tensor) -> Tensor:

@@ -1,0 +1,181 @@
+"""The CPU kernels (pure-PyTorch references) of every op against the naive float64 formulation, plus opcheck."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.library import opcheck
+
+import longspec_ops
+from longspec_ops.reference import attention as ref
+
+from .naive import beam_tree_mask, hybrid_visibility, naive_attention
+
+HEADS = [(4, 2), (6, 1), (4, 4)]
+TOL = 1e-10  # float64 against float64
+
+
+def _qkv(B, M, N, Hq, Hkv, D, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, M, Hq, D, generator=g, dtype=dtype)
+    kc = torch.randn(B, N, Hkv, D, generator=g, dtype=dtype)
+    vc = torch.randn(B, N, Hkv, D, generator=g, dtype=dtype)
+    kt = torch.randn(B, M, Hkv, D, generator=g, dtype=dtype)
+    vt = torch.randn(B, M, Hkv, D, generator=g, dtype=dtype)
+    return q, kc, vc, kt, vt
+
+
+def _close(out, lse, n_out, n_lse):
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert torch.allclose(out.double(), n_out, atol=TOL, rtol=0)
+    assert torch.equal(torch.isinf(lse), torch.isinf(n_lse))
+    fin = torch.isfinite(n_lse)
+    assert torch.allclose(lse.double()[fin], n_lse[fin], atol=1e-5, rtol=0)  # lse is float32 by contract
+
+
+@pytest.mark.parametrize("Hq,Hkv", HEADS)
+@pytest.mark.parametrize("B,M,N", [(1, 1, 1), (3, 5, 97), (2, 7, 0)])
+def test_hybrid_matches_naive(B, M, N, Hq, Hkv):
+    q, kc, vc, kt, vt = _qkv(B, M, N, Hq, Hkv, 16)
+    lens = torch.randint(0, N + 1, (B,), dtype=torch.int32)
+    mask = torch.rand(B, M, M, generator=torch.Generator().manual_seed(1)) < 0.5
+    mask[0, 0] = False  # an empty tree row: with lens[0] = 0 its query sees nothing at all
+    lens[0] = 0
+    scale = 1 / math.sqrt(16)
+    out, lse = longspec_ops.hybrid_tree_attn(q, kc, vc, lens, kt, vt, mask)
+    keys = torch.cat([kc, kt], dim=1)
+    vals = torch.cat([vc, vt], dim=1)
+    n_out, n_lse = naive_attention(q, keys, vals, hybrid_visibility(lens, N, mask), scale)
+    _close(out, lse, n_out, n_lse)
+    assert (out[0, 0] == 0).all() and torch.isinf(lse[0, :, 0]).all()
+
+
+def test_hybrid_beam_tree_and_strided_inputs():
+    B, M, N, Hq, Hkv, D = 2, 21, 40, 4, 2, 8
+    mask = beam_tree_mask((4, 16), B, torch.Generator().manual_seed(3))
+    # transformers hands over [B, H, S, D]: pass transposed views, never copies
+    q = torch.randn(B, Hq, M, D, dtype=torch.float64).transpose(1, 2)
+    kc = torch.randn(B, Hkv, N, D, dtype=torch.float64).transpose(1, 2)
+    vc = torch.randn(B, Hkv, N, D, dtype=torch.float64).transpose(1, 2)
+    kt = torch.randn(B, Hkv, M, D, dtype=torch.float64).transpose(1, 2)
+    vt = torch.randn(B, Hkv, M, D, dtype=torch.float64).transpose(1, 2)
+    lens = torch.tensor([40, 13], dtype=torch.int32)
+    out, lse = longspec_ops.hybrid_tree_attn(q, kc, vc, lens, kt, vt, mask, 0.3)
+    vis = hybrid_visibility(lens, N, mask)
+    n_out, n_lse = naive_attention(q, torch.cat([kc, kt], 1), torch.cat([vc, vt], 1), vis, 0.3)
+    _close(out, lse, n_out, n_lse)
+
+
+@pytest.mark.parametrize("per_query", [False, True])
+def test_prefix_matches_naive(per_query):
+    B, M, N, Hq, Hkv, D = 3, 4, 33, 4, 2, 8
+    q, kc, vc, _, _ = _qkv(B, M, N, Hq, Hkv, D, seed=5)
+    shape = (B, M) if per_query else (B,)
+    lens = torch.randint(0, N + 1, shape, dtype=torch.int32)
+    out, lse = longspec_ops.prefix_attn(q, kc, vc, lens)
+    lens_q = lens if per_query else lens[:, None].expand(B, M)
+    vis = torch.arange(N)[None, None, :] < lens_q[:, :, None].long()
+    _close(out, lse, *naive_attention(q, kc, vc, vis, 1 / math.sqrt(D)))
+
+
+def test_tree_matches_naive_with_empty_rows():
+    B, M, Hq, Hkv, D = 2, 9, 6, 3, 8
+    q, _, _, kt, vt = _qkv(B, M, 1, Hq, Hkv, D, seed=7)
+    mask = torch.rand(B, M, M, generator=torch.Generator().manual_seed(8)) < 0.3
+    mask[1, 4] = False
+    out, lse = longspec_ops.tree_attn(q, kt, vt, mask, 0.2)
+    _close(out, lse, *naive_attention(q, kt, vt, mask, 0.2))
+    assert (out[1, 4] == 0).all() and torch.isinf(lse[1, :, 4]).all()
+
+
+def test_draft_cross_visibility():
+    B, M, N, Hq, Hkv, D = 2, 5, 20, 4, 2, 8
+    q, kc, vc, _, _ = _qkv(B, M, N, Hq, Hkv, D, seed=9)
+    seqlens = torch.tensor([12, 0], dtype=torch.int32)
+    q_pos = torch.tensor([[10, 11, 12, 13, 14], [0, 1, 2, 3, 4]], dtype=torch.int32)
+    out, lse = longspec_ops.draft_cross_attn(q, kc, vc, q_pos, seqlens)
+    # re-fed tokens at t see rows < t; nodes past the root see rows < root (12); row 1 has no target rows yet
+    want = torch.tensor([[10, 11, 12, 12, 12], [0, 0, 0, 0, 0]])
+    vis = torch.arange(N)[None, None, :] < want[:, :, None]
+    _close(out, lse, *naive_attention(q, kc, vc, vis, 1 / math.sqrt(D)))
+
+
+def test_merge_is_exact_and_handles_empty_sides():
+    B, M, H, D = 2, 3, 4, 8
+    g = torch.Generator().manual_seed(11)
+    keys = torch.randn(B, 10, H, D, generator=g, dtype=torch.float64)
+    vals = torch.randn(B, 10, H, D, generator=g, dtype=torch.float64)
+    q = torch.randn(B, M, H, D, generator=g, dtype=torch.float64)
+    split = torch.zeros(B, M, 10, dtype=torch.bool)
+    split[..., :6] = True
+    vis_a = split.clone()
+    vis_b = ~split
+    vis_a[0, 1] = False  # side a empty for one query
+    vis_b[1, 2] = False  # side b empty for another
+    vis_a[1, 0] = False
+    vis_b[1, 0] = False  # both empty
+    oa, la = naive_attention(q, keys, vals, vis_a, 0.5)
+    ob, lb = naive_attention(q, keys, vals, vis_b, 0.5)
+    out, lse = longspec_ops.merge_attn_states(oa, la.float(), ob, lb.float())
+    n_out, n_lse = naive_attention(q, keys, vals, vis_a | vis_b, 0.5)
+    assert not torch.isnan(out).any()
+    assert torch.allclose(out, n_out, atol=1e-6)  # lse enters as float32
+    assert torch.equal(torch.isinf(lse), torch.isinf(n_lse))
+    assert (out[1, 0] == 0).all()
+
+
+def test_commit_kv_moves_overlapping_rows():
+    P, B, N, H, D = 4, 3, 16, 2, 4
+    kv = torch.randn(P, B, N, H, D)
+    before = kv.clone()
+    seqlens = torch.tensor([2, 5, 0], dtype=torch.int32)
+    idx = torch.tensor([[0, 2, 5, 9], [0, 1, 3, 0], [0, 4, 0, 0]], dtype=torch.int32)
+    lens = torch.tensor([4, 3, 0], dtype=torch.int32)
+    longspec_ops.commit_kv_(kv, seqlens, idx, lens)
+    want = before.clone()
+    for b in range(B):
+        for j in range(int(lens[b])):
+            want[:, b, int(seqlens[b]) + j] = before[:, b, int(seqlens[b]) + int(idx[b, j])]
+    assert torch.equal(kv, want)
+
+
+def _sample_args():
+    B, M, N, Hq, Hkv, D = 2, 3, 9, 4, 2, 8
+    q, kc, vc, kt, vt = _qkv(B, M, N, Hq, Hkv, D, dtype=torch.float32, seed=13)
+    lens = torch.tensor([9, 4], dtype=torch.int32)
+    mask = torch.ones(B, M, M, dtype=torch.bool).tril()
+    out_a, lse_a = ref.prefix_attn(q, kc, vc, lens, 0.3)
+    out_b, lse_b = ref.tree_attn(q, kt, vt, mask, 0.3)
+    kv = torch.randn(4, B, N, Hkv, D)
+    return {
+        "merge_attn_states": (out_a, lse_a, out_b, lse_b),
+        "tree_attn": (q, kt, vt, mask, 0.3),
+        "prefix_attn": (q, kc, vc, lens, 0.3),
+        "hybrid_tree_attn": (q, kc, vc, lens, kt, vt, mask, 0.3),
+        "draft_cross_attn": (q, kc, vc, torch.tensor([[3, 4, 5], [1, 2, 3]], dtype=torch.int32), lens, 0.3),
+        "commit_kv_": (kv, torch.tensor([2, 3], dtype=torch.int32), torch.tensor([[0, 2], [0, 1]], dtype=torch.int32),
+                       torch.tensor([2, 1], dtype=torch.int32)),
+    }
+
+
+@pytest.mark.parametrize("name", list(_sample_args()))
+def test_opcheck(name):
+    opcheck(getattr(torch.ops.longspec, name), _sample_args()[name])
+
+
+def test_every_op_is_covered_by_opcheck():
+    registered = {n for n in dir(torch.ops.longspec) if not n.startswith("_") and n not in ("name", "")}
+    registered = {n for n in registered if isinstance(getattr(torch.ops.longspec, n), torch._ops.OpOverloadPacket)}
+    assert registered == set(_sample_args())
+
+
+@pytest.mark.parametrize("name", ["tree_attn", "prefix_attn", "hybrid_tree_attn", "merge_attn_states"])
+def test_compiles_fullgraph(name):
+    args = _sample_args()[name]
+    op = getattr(torch.ops.longspec, name)
+    fn = torch.compile(lambda *a: op(*a), fullgraph=True, backend="aot_eager")
+    got = fn(*args)
+    want = op(*args)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
