@@ -63,7 +63,7 @@ def _extensions():
     _log(f"CUDA archs: {archs} (+PTX {last})")
     debug = os.environ.get("DEBUG", "0") == "1"
     opt = ["-O0", "-g"] if debug else ["-O3"]
-    defines = ["-DTORCH_TARGET_VERSION=0x020b000000000000", "-DPy_LIMITED_API=0x030a0000"]
+    defines = ["-DTORCH_TARGET_VERSION=0x020b000000000000", "-DPy_LIMITED_API=0x030A0000"]
     nvcc = opt + defines + gencode + ["-DUSE_CUDA", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
     threads = os.environ.get("NVCC_THREADS")
     if threads:
