@@ -134,6 +134,9 @@ def test_per_query_lengths_and_draft_cross():
     _check("draft_cross_attn", out, lse, r_out, r_lse, *lp)
 
 
+OP_NAMES = ["hybrid_tree_attn", "prefix_attn", "tree_attn", "draft_cross_attn", "merge_attn_states", "commit_kv_"]
+
+
 def _op_args():
     B, M, N, Hq, Hkv, D = 2, 74, 4096, 32, 8, 128
     q, kc, vc, kt, vt, lens = _inputs(B, M, N, (Hq, Hkv), D, torch.bfloat16, True, 11)
@@ -153,12 +156,12 @@ def _op_args():
     }
 
 
-@pytest.mark.parametrize("name", list(_op_args()))
+@pytest.mark.parametrize("name", OP_NAMES)
 def test_opcheck_cuda(name):
     torch.library.opcheck(getattr(torch.ops.longspec, name), _op_args()[name])
 
 
-@pytest.mark.parametrize("name", list(_op_args()))
+@pytest.mark.parametrize("name", OP_NAMES)
 def test_cuda_graph_capture(name):
     args = _op_args()[name]
     op = getattr(torch.ops.longspec, name)
@@ -182,7 +185,7 @@ def test_cuda_graph_capture(name):
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("name", list(_op_args()))
+@pytest.mark.parametrize("name", OP_NAMES)
 def test_compile_fullgraph_cuda(name):
     args = _op_args()[name]
     op = getattr(torch.ops.longspec, name)

@@ -1,0 +1,567 @@
+"""Triton kernels for tree, prefix and hybrid tree attention: GQA-packed split-KV (flash-decoding) attention.
+
+One kernel family serves the three ops:
+
+* ``_split_attn_kernel`` computes one program's partial attention. A program owns one *row tile* of one
+  ``(batch, kv head)`` pair: the tile's rows are ``(query m, head g of the GQA group)`` pairs (row ``r = m * G + g``),
+  so every K/V block is loaded once per kv head and multiplied against all G query heads with one ``tl.dot``
+  (FlashInfer's head-group fusion). It runs an online softmax (FlashAttention-2) over
+
+  - the cache rows of its KV *split* (flash-decoding): split ``s`` covers rows ``[s * split_rows, (s+1) * split_rows)``
+    intersected with each row's visible prefix ``[0, kv_len)``;
+  - and/or, in the last split, the M tree keys under the bool tree mask (the paper's ``fused_mask_attn``).
+
+  It writes either the final ``(out, lse)`` (a single split) or a float32 partial ``(out, lse)`` to a workspace.
+* ``_merge_splits_kernel`` merges the partials of all splits exactly by their log-sum-exp. Because the tree block is
+  just one more split, the prefix/tree merge of hybrid tree attention costs nothing extra.
+
+The number of splits depends only on shapes (cache capacity N, B, Hkv, M, the SM count), never on tensor values,
+so launches are CUDA-graph capturable; lengths are read (and clamped into ``[0, N]``) on the device.
+
+Numerics: scores are kept in log2 units (``qk * scale * log2(e)``) so the softmax uses ``exp2``; accumulation is
+float32; a query that sees no key gets out 0 and lse -inf, never NaN. float64 inputs take the PyTorch reference.
+
+References:
+  * Y. Yang et al., "LongSpec: Long-Context Lossless Speculative Decoding with Efficient Drafting and
+    Verification", arXiv:2502.17421 (hybrid tree attention, fused_mask_attn).
+  * T. Dao, "FlashAttention-2", arXiv:2307.08691 (online softmax, tiling).
+  * T. Dao, D. Haziza, F. Massa, G. Sizov, "Flash-Decoding for long-context inference", 2023
+    (https://crfm.stanford.edu/2023/10/12/flashdecoding.html) (split-KV + LSE reduction).
+  * Z. Ye et al., "FlashInfer", arXiv:2501.01005 (GQA head-group fusion, attention-state merging).
+  * Triton fused-attention tutorial (python/tutorials/06-fused-attention.py).
+"""
+from __future__ import annotations
+
+import enum
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..reference import attention as _ref
+
+
+# Configs --------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AttnConfig:
+    """Launch parameters of one attention launch; every field is a sweep knob for the GPU benchmarks.
+
+    Attributes:
+        block_m: packed ``(query, group head)`` rows per program (power of two, >= 16 for ``tl.dot``).
+        block_n: KV rows per inner-loop step (power of two, >= 16).
+        num_warps, num_stages: Triton launch options of the split kernel.
+        occupancy: split-kernel programs expected to co-reside on one SM; the split rule fills
+            ``num_sms * occupancy`` slots.
+        split_rows: cache rows per KV split (rounded up to ``block_n``); ``None`` lets the shape-only split rule
+            choose. Forcing a small value exercises many splits.
+        merge_block_r, merge_num_warps: tile rows and warps of the split-merge kernel.
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    occupancy: int = 1
+    split_rows: Optional[int] = None
+    merge_block_r: int = 32
+    merge_num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "merge_block_r"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"AttnConfig.{name} must be a power of two >= 16, got {value}")
+        if self.split_rows is not None and self.split_rows < 1:
+            raise ValueError(f"AttnConfig.split_rows must be positive, got {self.split_rows}")
+
+
+# Tables are scanned in order; the first row with head_dim <= max_d and packed rows (M * G) <= max_rows wins.
+# "wide" marks 16-bit inputs (fp16/bf16: tensor cores); float32 runs IEEE dots on FMA units (exact, slow) and needs
+# small tiles. Hopper (H200) defaults, to be swept. Offline sm_90 compiles (ptxas, Triton 3.6) of every row below
+# show no register spills; registers/smem at D = 128: 16 rows 168 regs 70 KiB, 32 rows 238 regs 76 KiB, 64 rows
+# 255 regs 114 KiB, 128 rows (8 warps) 228 regs 132 KiB.
+#   * <= 16 rows (decode, M = 1 with G <= 16): memory bound. 3 stages of 64-row K and V blocks (cp.async) keep
+#     ~64 KiB in flight per program at D = 128 and leave room for two programs per SM.
+#   * 17..64 rows: still mostly bandwidth bound; one warp group.
+#   * > 64 rows (tree verification, e.g. 69..74 tokens x G = 4): compute bound at long context (each K/V byte feeds
+#     ~300 rows); 128-row tiles run two wgmma warp groups and halve re-reads of K/V across row tiles.
+_INF_ROWS = 1 << 30
+_SPLIT_TABLE: tuple[tuple[int, int, bool, AttnConfig], ...] = (
+    # max_d, max_rows, wide, config
+    (128, 16, True, AttnConfig(block_m=16, block_n=64, num_warps=4, num_stages=3, occupancy=2)),
+    (128, 32, True, AttnConfig(block_m=32, block_n=64, num_warps=4, num_stages=3, occupancy=2)),
+    (128, 64, True, AttnConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, occupancy=1)),
+    (128, _INF_ROWS, True, AttnConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, occupancy=1)),
+    (256, 16, True, AttnConfig(block_m=16, block_n=32, num_warps=4, num_stages=3, occupancy=2)),
+    (256, 64, True, AttnConfig(block_m=64, block_n=32, num_warps=4, num_stages=2, occupancy=1)),
+    (256, _INF_ROWS, True, AttnConfig(block_m=128, block_n=32, num_warps=8, num_stages=2, occupancy=1)),
+    (64, _INF_ROWS, False, AttnConfig(block_m=32, block_n=16, num_warps=4, num_stages=2, occupancy=2)),
+    (256, _INF_ROWS, False, AttnConfig(block_m=16, block_n=16, num_warps=4, num_stages=2, occupancy=2)),
+)
+# Tree attention alone: at most 256 keys, so a program does a few steps and pipelining depth matters little.
+_TREE_TABLE: tuple[tuple[int, int, bool, AttnConfig], ...] = (
+    (128, 16, True, AttnConfig(block_m=16, block_n=32, num_warps=4, num_stages=2)),
+    (128, 32, True, AttnConfig(block_m=32, block_n=32, num_warps=4, num_stages=2)),
+    (128, 64, True, AttnConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)),
+    (128, _INF_ROWS, True, AttnConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)),
+    (256, 16, True, AttnConfig(block_m=16, block_n=32, num_warps=4, num_stages=2)),
+    (256, 64, True, AttnConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)),
+    (256, _INF_ROWS, True, AttnConfig(block_m=128, block_n=32, num_warps=8, num_stages=2)),
+    (64, _INF_ROWS, False, AttnConfig(block_m=32, block_n=16, num_warps=4, num_stages=2)),
+    (256, _INF_ROWS, False, AttnConfig(block_m=16, block_n=16, num_warps=4, num_stages=2)),
+)
+
+# Split rule constants. A program's fixed cost (launch slot, Q load, partial store and its share of the merge),
+# expressed in cache rows: ~128 rows plus the workspace traffic of its tile (block_m * D * 8 bytes written and
+# read back, against 4 * D bytes per 16-bit K+V row => 2 * block_m rows).
+_SPLIT_OVERHEAD_ROWS = 128
+_MAX_SPLITS = 256  # caps the search and the workspace
+_MAX_WAVES = 4  # more splits than ~4 waves of programs only adds merge work
+_INTERPRETER_SMS = 4  # CPU tensors (Triton interpreter): a nominal SM count, so the split rule still splits
+
+_LOG2E = 1.4426950408889634  # the kernels work in log2 units: exp2 is the native SFU instruction
+_LN2: tl.constexpr = tl.constexpr(0.6931471805599453)  # log2-unit lse -> natural log, inside the kernels
+
+
+class HybridBackend(enum.Enum):
+    """How :func:`hybrid_tree_attn` is computed (a benchmarking choice; both are exact)."""
+
+    FUSED = "fused"  # the tree block is the last split of one split-KV launch; the split merge merges it for free
+    COMPOSED = "composed"  # prefix_attn + tree_attn + longspec::merge_attn_states (the paper's composition)
+
+
+# Kernels --------------------------------------------------------------------------------------------------------
+@triton.jit
+def _softmax_step(acc, m_i, l_i, qk, v, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One online-softmax update with scores ``qk`` [BLOCK_M, BLOCK_N] (log2 units, -inf where hidden)."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    if MASKED:
+        # A row that has seen nothing yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(qk - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    # P goes to the tensor cores in V's dtype, as in FlashAttention; the accumulator stays float32.
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attend_cache(
+    acc, m_i, l_i, q,
+    k_base, v_base,  # K/V of this (batch, kv head): row n at base + n * stride
+    stride_kn, stride_vn,
+    start, end,  # key rows [start, end); start - split start is a multiple of BLOCK_N
+    row_len,  # [BLOCK_M] visible prefix length of each tile row
+    qk_scale, offs_n, offs_d, d_ok,
+    KEY_MASK: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # Advance pointers instead of recomputing n * stride: the scalar start offset is 64-bit (1M-row caches),
+    # the per-tile offsets stay 32-bit.
+    k_ptrs = k_base + start.to(tl.int64) * stride_kn + (offs_n[:, None] * stride_kn + offs_d[None, :])
+    v_ptrs = v_base + start.to(tl.int64) * stride_vn + (offs_n[:, None] * stride_vn + offs_d[None, :])
+    for n0 in range(start, end, BLOCK_N):
+        if KEY_MASK:
+            cols = n0 + offs_n
+            key_ok = cols < end
+            k = tl.load(k_ptrs, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            visible = key_ok[None, :] & (cols[None, :] < row_len[:, None])
+            qk = tl.where(visible, qk, float("-inf"))
+        else:
+            # Interior blocks: every row of the tile sees every key, so no mask work at all.
+            if EVEN_D:
+                k = tl.load(k_ptrs)
+                v = tl.load(v_ptrs)
+            else:
+                k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+                v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, qk, v, KEY_MASK, DOT_PRECISION)
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attend_tree(
+    acc, m_i, l_i, q,
+    kt_base, vt_base,  # tree K/V of this (batch, kv head): key j at base + j * stride
+    stride_ktm, stride_vtm,
+    mask_rows,  # [BLOCK_M] pointers to tree_mask[b, m_r, 0] (uint8 view of the bool mask)
+    stride_mn,
+    n_keys,  # M in the tree split, 0 elsewhere (the loop is then empty)
+    row_ok, qk_scale, offs_n, offs_d, d_ok,
+    TREE_BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    for j0 in range(0, n_keys, TREE_BLOCK_N):
+        cols = j0 + offs_n
+        key_ok = cols < n_keys
+        kv_mask = key_ok[:, None] & d_ok[None, :]
+        k = tl.load(kt_base + cols[:, None] * stride_ktm + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(vt_base + cols[:, None] * stride_vtm + offs_d[None, :], mask=kv_mask, other=0.0)
+        # Visible only where the mask is True AND the key exists AND the row exists (all three: &, never |).
+        bits = tl.load(mask_rows[:, None] + cols[None, :] * stride_mn,
+                       mask=row_ok[:, None] & key_ok[None, :], other=0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        qk = tl.where(bits != 0, qk, float("-inf"))
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, qk, v, True, DOT_PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _split_attn_kernel(
+    Q,  # (B, M, Hq, D), any strides with stride(-1) == 1
+    K, V,  # (B, N, Hkv, D) cache, stride(-1) == 1
+    LENS,  # (B,) or (B, M) int32/int64 visible prefix lengths (clamped into [0, N] here)
+    KT, VT,  # (B, M, Hkv, D) tree keys/values, stride(-1) == 1
+    TMASK,  # (B, M, M) uint8 view of the bool tree mask
+    OUT,  # (B, M, Hq, D) contiguous, Q's dtype          [DIRECT_OUT]
+    LSE,  # (B, Hq, M) float32, natural log             [DIRECT_OUT]
+    WS_O,  # (B * Hkv, S, R, D) float32 partial outputs  [not DIRECT_OUT]
+    WS_LSE,  # (B * Hkv, S, R) float32 partial lse, log2 units
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_lb, stride_lm,  # stride_lm = 0 for (B,) lengths
+    stride_ktb, stride_ktm, stride_kth,
+    stride_vtb, stride_vtm, stride_vth,
+    stride_tb, stride_tm, stride_tn,
+    M, N, HKV, R,  # R = M * G packed rows per (batch, kv head)
+    split_rows, num_splits,  # cache rows per split; total splits S (the tree split is the last)
+    qk_scale,  # softmax scale * log2(e)
+    D: tl.constexpr, D_PAD: tl.constexpr, G: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TREE_BLOCK_N: tl.constexpr,
+    HAS_CACHE: tl.constexpr, HAS_TREE: tl.constexpr, DIRECT_OUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # Row tiles vary fastest so the programs that share one K/V split run together and re-reads hit L2.
+    pid_r = tl.program_id(0)
+    split = tl.program_id(1)
+    bh = tl.program_id(2)
+    b = (bh // HKV).to(tl.int64)
+    hk = bh % HKV
+
+    rows = pid_r * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < R
+    m_r = rows // G  # query index of each packed row
+    h_r = hk * G + rows % G  # query head of each packed row
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < D
+    EVEN_D: tl.constexpr = D == D_PAD
+
+    q_ptrs = Q + b * stride_qb + (m_r[:, None] * stride_qm + h_r[:, None] * stride_qh + offs_d[None, :])
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+
+    if HAS_CACHE:
+        lens = tl.load(LENS + b * stride_lb + m_r * stride_lm, mask=row_ok, other=0)
+        row_len = tl.minimum(tl.maximum(lens, 0), N).to(tl.int32)  # a bad length never reads past the cache
+        tile_max = tl.max(tl.where(row_ok, row_len, 0), 0)
+        tile_min = tl.min(tl.where(row_ok, row_len, N), 0)
+        lo = split * split_rows  # >= N in the tree split, so both cache loops are empty there
+        hi = tl.minimum(lo + split_rows, tile_max)
+        # [lo, full_end): whole blocks every row sees (no masks); [full_end, hi): the ragged tail.
+        full_end = lo + tl.maximum(tl.minimum(hi, tile_min) - lo, 0) // BLOCK_N * BLOCK_N
+        k_base = K + b * stride_kb + hk * stride_kh
+        v_base = V + b * stride_vb + hk * stride_vh
+        acc, m_i, l_i = _attend_cache(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, lo, full_end,
+                                      row_len, qk_scale, offs_n, offs_d, d_ok,
+                                      False, EVEN_D, BLOCK_N, DOT_PRECISION)
+        acc, m_i, l_i = _attend_cache(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, full_end, hi,
+                                      row_len, qk_scale, offs_n, offs_d, d_ok,
+                                      True, EVEN_D, BLOCK_N, DOT_PRECISION)
+
+    if HAS_TREE:
+        n_keys = tl.where(split == num_splits - 1, M, 0)
+        offs_t = tl.arange(0, TREE_BLOCK_N)
+        kt_base = KT + b * stride_ktb + hk * stride_kth
+        vt_base = VT + b * stride_vtb + hk * stride_vth
+        mask_rows = TMASK + b * stride_tb + m_r * stride_tm
+        acc, m_i, l_i = _attend_tree(acc, m_i, l_i, q, kt_base, vt_base, stride_ktm, stride_vtm, mask_rows,
+                                     stride_tn, n_keys, row_ok, qk_scale, offs_t, offs_d, d_ok,
+                                     TREE_BLOCK_N, DOT_PRECISION)
+
+    # Empty rows (l = 0) have acc = 0: out 0, lse -inf.
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    lse2 = tl.where(seen, m_i + tl.log2(l_safe), float("-inf"))
+    st_mask = row_ok[:, None] & d_ok[None, :]
+    if DIRECT_OUT:
+        out_ptrs = OUT + b * (M * HKV * G * D) + (m_r[:, None] * (HKV * G * D) + h_r[:, None] * D + offs_d[None, :])
+        tl.store(out_ptrs, o.to(OUT.dtype.element_ty), mask=st_mask)
+        tl.store(LSE + b * (HKV * G * M) + h_r * M + m_r, lse2 * _LN2, mask=row_ok)
+    else:
+        ws = (bh.to(tl.int64) * num_splits + split) * R
+        tl.store(WS_O + ws * D + (rows[:, None] * D + offs_d[None, :]), o, mask=st_mask)
+        tl.store(WS_LSE + ws + rows, lse2, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    WS_O,  # (B * Hkv, S, R, D) float32 partial outputs
+    WS_LSE,  # (B * Hkv, S, R) float32 partial lse, log2 units (-inf: empty partial)
+    OUT,  # (B, M, Hq, D) contiguous, Q's dtype
+    LSE,  # (B, Hq, M) float32, natural log
+    M, HKV, R, num_splits,
+    D: tl.constexpr, D_PAD: tl.constexpr, G: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    pid_r = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // HKV).to(tl.int64)
+    hk = bh % HKV
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < D
+    ws = bh.to(tl.int64) * num_splits * R
+
+    # Two passes: the max first (lse only, cheap), then one exact weighted sum without rescaling the accumulator.
+    m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    for s in range(num_splits):
+        m = tl.maximum(m, tl.load(WS_LSE + ws + s * R + rows, mask=row_ok, other=float("-inf")))
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    acc = tl.zeros([BLOCK_R, D_PAD], dtype=tl.float32)
+    den = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for s in range(num_splits):
+        w = tl.exp2(tl.load(WS_LSE + ws + s * R + rows, mask=row_ok, other=float("-inf")) - m_use)
+        o = tl.load(WS_O + (ws + s * R) * D + (rows[:, None] * D + offs_d[None, :]),
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        acc += w[:, None] * o
+        den += w
+    seen = den > 0.0
+    den_safe = tl.where(seen, den, 1.0)
+    out = acc / den_safe[:, None]
+    lse = tl.where(seen, (m_use + tl.log2(den_safe)) * _LN2, float("-inf"))
+
+    m_r = rows // G
+    h_r = hk * G + rows % G
+    out_ptrs = OUT + b * (M * HKV * G * D) + (m_r[:, None] * (HKV * G * D) + h_r[:, None] * D + offs_d[None, :])
+    tl.store(out_ptrs, out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(LSE + b * (HKV * G * M) + h_r * M + m_r, lse, mask=row_ok)
+
+
+# Launchers ------------------------------------------------------------------------------------------------------
+def _pick(table, head_dim: int, rows: int, dtype: torch.dtype) -> AttnConfig:
+    wide = dtype in (torch.float16, torch.bfloat16)
+    for max_d, max_rows, table_wide, cfg in table:
+        if head_dim <= max_d and rows <= max_rows and wide == table_wide:
+            return cfg
+    raise ValueError(f"longspec kernels: no tile config for head_dim {head_dim} ({dtype}); head dims up to 256")
+
+
+def split_config(head_dim: int, rows: int, dtype: torch.dtype) -> AttnConfig:
+    """The default split-KV config for ``rows = M * (Hq // Hkv)`` packed rows (prefix and hybrid attention)."""
+    return _pick(_SPLIT_TABLE, head_dim, rows, dtype)
+
+
+def tree_config(head_dim: int, rows: int, dtype: torch.dtype) -> AttnConfig:
+    """The default config of tree attention alone."""
+    return _pick(_TREE_TABLE, head_dim, rows, dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _INTERPRETER_SMS
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_splits(n_rows: int, base_programs: int, block_m: int, block_n: int, slots: int,
+                split_rows: Optional[int] = None) -> tuple[int, int]:
+    """``(num_splits, split_rows)`` for a cache of ``n_rows`` rows: a function of shapes only (graph-safe).
+
+    ``base_programs`` = B * Hkv * row tiles programs share each split; ``slots`` = SMs x occupancy. Model: all
+    programs do equal work, run in waves of ``slots``; minimise waves x (rows per split + fixed cost).
+    """
+    if n_rows <= 0:
+        return 0, block_n
+    if split_rows is not None:
+        # Keep grid axis 1 within CUDA's 65535 even for a tiny forced split size.
+        rows = max(split_rows, _cdiv(n_rows, 65535))
+        rows = _cdiv(rows, block_n) * block_n
+        return _cdiv(n_rows, rows), rows
+    overhead = _SPLIT_OVERHEAD_ROWS + 2 * block_m
+    max_splits = min(_cdiv(n_rows, block_n), _MAX_SPLITS, max(1, _cdiv(_MAX_WAVES * slots, base_programs)))
+    best = None
+    for s in range(1, max_splits + 1):
+        rows = _cdiv(_cdiv(n_rows, s), block_n) * block_n
+        splits = _cdiv(n_rows, rows)
+        cost = _cdiv(base_programs * splits, slots) * (rows + overhead)
+        if best is None or cost < best[0]:
+            best = (cost, splits, rows)
+    return best[1], best[2]
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # float32 inputs must not silently drop to TF32 (10-bit mantissa): exact IEEE products, like the reference.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def _attention(
+    q: Tensor,
+    cache: Optional[tuple[Tensor, Tensor, Tensor]],
+    tree: Optional[tuple[Tensor, Tensor, Tensor]],
+    scale: float,
+    cfg: AttnConfig,
+) -> tuple[Tensor, Tensor]:
+    """One split launch (+ one merge launch when there is more than one split). ``cache`` = (k, v, lens),
+    ``tree`` = (k, v, mask)."""
+    B, M, Hq, D = q.shape
+    Hkv = (cache if cache is not None else tree)[0].shape[2]
+    G = Hq // Hkv
+    R = M * G
+    out = torch.empty((B, M, Hq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq, M), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+
+    D_PAD = max(16, _next_pow2(D))
+    row_tiles = _cdiv(R, cfg.block_m)
+    N = cache[0].shape[1] if cache is not None else 0
+    has_cache = cache is not None and N > 0  # an empty cache contributes nothing: skip its loads entirely
+    n_cache, split_rows = 0, cfg.block_n
+    if has_cache:
+        slots = _num_sms(q.device) * cfg.occupancy
+        n_cache, split_rows = plan_splits(N, B * Hkv * row_tiles, cfg.block_m, cfg.block_n, slots, cfg.split_rows)
+    num_splits = max(1, n_cache + (tree is not None))
+    direct = num_splits == 1
+
+    # Unused pointer arguments get q (never dereferenced: their code is compiled out by the constexpr flags).
+    k, v, lens = cache if has_cache else (q, q, q)
+    kt, vt, mask = tree if tree is not None else (q, q, None)
+    mask = mask.view(torch.uint8) if mask is not None else q  # bool -> uint8 view: no copy, no int64 masks
+    lens_strides = (0, 0) if not has_cache else (lens.stride(0), lens.stride(1) if lens.dim() == 2 else 0)
+    tree_block_n = min(cfg.block_n, max(16, _next_pow2(M)))
+    if direct:
+        ws_o, ws_lse = out, lse  # unused
+    else:
+        ws_o = torch.empty((B * Hkv, num_splits, R, D), dtype=torch.float32, device=q.device)
+        ws_lse = torch.empty((B * Hkv, num_splits, R), dtype=torch.float32, device=q.device)
+
+    def s3(t):  # (batch, row, head) strides of a [B, S, H, D] tensor
+        return (t.stride(0), t.stride(1), t.stride(2)) if t.dim() == 4 else (0, 0, 0)
+
+    _split_attn_kernel[(row_tiles, num_splits, B * Hkv)](
+        q, k, v, lens, kt, vt, mask, out, lse, ws_o, ws_lse,
+        *s3(q), *s3(k), *s3(v), *lens_strides, *s3(kt), *s3(vt),
+        *((mask.stride(0), mask.stride(1), mask.stride(2)) if tree is not None else (0, 0, 0)),
+        M, N, Hkv, R, split_rows, num_splits, scale * _LOG2E,
+        D=D, D_PAD=D_PAD, G=G, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TREE_BLOCK_N=tree_block_n,
+        HAS_CACHE=has_cache, HAS_TREE=tree is not None, DIRECT_OUT=direct,
+        DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if not direct:
+        block_r = min(cfg.merge_block_r, max(16, _next_pow2(R)))
+        _merge_splits_kernel[(_cdiv(R, block_r), B * Hkv)](
+            ws_o, ws_lse, out, lse, M, Hkv, R, num_splits,
+            D=D, D_PAD=D_PAD, G=G, BLOCK_R=block_r, num_warps=cfg.merge_num_warps,
+        )
+    return out, lse
+
+
+def _reference_result(out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
+    return out.contiguous(), lse.contiguous()
+
+
+def tree_attn(
+    q: Tensor, k: Tensor, v: Tensor, tree_mask: Tensor, scale: float, *, config: Optional[AttnConfig] = None
+) -> tuple[Tensor, Tensor]:
+    """Masked attention among the M tree tokens.
+
+    q ``[B, M, Hq, D]``, k/v ``[B, M, Hkv, D]`` (any strides, stride(-1) == 1), tree_mask bool ``[B, M, M]``.
+    Returns out ``[B, M, Hq, D]`` (contiguous, q's dtype) and lse float32 ``[B, Hq, M]``. ``config`` overrides
+    the table default (:func:`tree_config`).
+    """
+    if q.dtype == torch.float64:  # a debugging dtype: the fp32-accumulating kernels would lose its precision
+        return _reference_result(*_ref.tree_attn(q, k, v, tree_mask, scale))
+    cfg = config or tree_config(q.shape[3], q.shape[1] * (q.shape[2] // k.shape[2]), q.dtype)
+    return _attention(q, None, (k, v, tree_mask), scale, cfg)
+
+
+def prefix_attn(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_lens: Tensor, scale: float, *,
+    config: Optional[AttnConfig] = None,
+) -> tuple[Tensor, Tensor]:
+    """Split-KV attention of q ``[B, M, Hq, D]`` over cache rows ``[0, kv_lens)`` of k/v_cache ``[B, N, Hkv, D]``.
+
+    kv_lens int32/int64 ``[B]`` or ``[B, M]``; values are clamped into ``[0, N]`` on the device. Returns out
+    ``[B, M, Hq, D]`` (contiguous, q's dtype) and lse float32 ``[B, Hq, M]``. ``config`` overrides the table default
+    (:func:`split_config`); its ``split_rows`` forces the split size.
+    """
+    if q.dtype == torch.float64:
+        lens = kv_lens.clamp(0, k_cache.shape[1])
+        return _reference_result(*_ref.prefix_attn(q, k_cache, v_cache, lens, scale))
+    cfg = config or split_config(q.shape[3], q.shape[1] * (q.shape[2] // k_cache.shape[2]), q.dtype)
+    return _attention(q, (k_cache, v_cache, kv_lens), None, scale, cfg)
+
+
+def hybrid_tree_attn(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    cache_seqlens: Tensor,
+    k_tree: Tensor,
+    v_tree: Tensor,
+    tree_mask: Tensor,
+    scale: float,
+    *,
+    backend: HybridBackend = HybridBackend.FUSED,
+    config: Optional[AttnConfig] = None,
+    tree_config_override: Optional[AttnConfig] = None,
+) -> tuple[Tensor, Tensor]:
+    """One softmax over cache rows ``[0, cache_seqlens[b])`` plus the tree keys each ``tree_mask`` row allows.
+
+    q ``[B, M, Hq, D]``; k/v_cache ``[B, N, Hkv, D]``; cache_seqlens ``[B]``; k/v_tree ``[B, M, Hkv, D]``;
+    tree_mask bool ``[B, M, M]``. Returns out ``[B, M, Hq, D]`` (contiguous, q's dtype), lse float32 ``[B, Hq, M]``.
+
+    ``backend=FUSED`` (default): the tree block is the last split of the split-KV launch (two launches in all).
+    ``backend=COMPOSED``: prefix_attn, tree_attn and ``torch.ops.longspec.merge_attn_states``. ``config`` sets the
+    split launch (FUSED, or the prefix launch of COMPOSED); ``tree_config_override`` the tree launch of COMPOSED.
+    """
+    if q.dtype == torch.float64:
+        lens = cache_seqlens.clamp(0, k_cache.shape[1])
+        return _reference_result(
+            *_ref.hybrid_tree_attn(q, k_cache, v_cache, lens, k_tree, v_tree, tree_mask, scale))
+    if backend is HybridBackend.COMPOSED:
+        out_p, lse_p = prefix_attn(q, k_cache, v_cache, cache_seqlens, scale, config=config)
+        out_t, lse_t = tree_attn(q, k_tree, v_tree, tree_mask, scale, config=tree_config_override)
+        return torch.ops.longspec.merge_attn_states(out_p, lse_p, out_t, lse_t)
+    if backend is not HybridBackend.FUSED:
+        raise ValueError(f"hybrid_tree_attn: unknown backend {backend!r}")
+    cfg = config or split_config(q.shape[3], q.shape[1] * (q.shape[2] // k_cache.shape[2]), q.dtype)
+    return _attention(q, (k_cache, v_cache, cache_seqlens), (k_tree, v_tree, tree_mask), scale, cfg)
+
+
+__all__ = [
+    "AttnConfig",
+    "HybridBackend",
+    "hybrid_tree_attn",
+    "plan_splits",
+    "prefix_attn",
+    "split_config",
+    "tree_attn",
+    "tree_config",
+]
