@@ -34,8 +34,8 @@ def _ext_reason() -> tuple[bool, str]:
     try:
         import torch
         from torch.utils.cpp_extension import CUDA_HOME
-    except ImportError:
-        return False, "torch is not importable in the build environment (use --no-build-isolation)"
+    except ImportError as e:
+        return False, f"torch is not importable in the build environment ({e}; use --no-build-isolation)"
     if torch.version.cuda is None:
         return False, f"torch {torch.__version__} is not a CUDA build"
     if CUDA_HOME is None:

@@ -14,8 +14,9 @@
 #include <torch/csrc/stable/library.h>
 
 STABLE_TORCH_LIBRARY_IMPL(longspec, CUDA, m) {
-  m.impl("merge_attn_states", TORCH_BOX(&longspec::merge_attn_states_cuda));
-  m.impl("commit_kv_", TORCH_BOX(&longspec::commit_kv_cuda));
+  // Internal names: the public ops (longspec_ops/_library.py) check arguments in Python, then call these.
+  m.impl("_merge_attn_states_kernel", TORCH_BOX(&longspec::merge_attn_states_cuda));
+  m.impl("_commit_kv_kernel", TORCH_BOX(&longspec::commit_kv_cuda));
 }
 
 // The module itself carries nothing: importing it loads the shared library, whose static initialisers above

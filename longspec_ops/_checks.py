@@ -1,9 +1,10 @@
 """Argument checks shared by the fake, CPU and CUDA implementations of every ``longspec`` op.
 
-Metadata checks (rank, dtype, shape, device, strides) run everywhere, fake tensors included. Checks that read
-tensor *values* (lengths beyond the cache) run in :func:`check_lengths`, which skips itself where reading a
-value would be illegal or would sync the device inside a captured graph; the GPU kernels clamp lengths to the
-cache size so a bad value can never read out of bounds.
+Metadata checks (rank, dtype, shape, device, strides) run in every implementation, fake tensors included. Checks
+that read tensor *values* (lengths beyond the cache) run in the CPU ops and in the typed wrappers of
+:mod:`longspec_ops.ops`; they skip themselves where reading a value would be illegal (fake tensors, tracing, graph
+capture). The raw CUDA ops never read values on the host; their kernels clamp lengths to the cache size so a bad
+value can never read out of bounds.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch import Tensor
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INTS = (torch.int32, torch.int64)
+MAX_ACCEPT = 1024  # commit_kv_'s CUDA kernel stages one row's accepted path in shared memory
 
 
 def _fail(op: str, msg: str) -> None:
@@ -95,8 +97,10 @@ def check_merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> N
     _rank(op, "lse_a", lse_a, 3, "[B, H, M]")
     if out_b.shape != out_a.shape:
         _fail(op, f"out_b must have out_a's shape {tuple(out_a.shape)}, got {tuple(out_b.shape)}")
-    if out_b.dtype != out_a.dtype or out_a.dtype not in _FLOATS:
-        _fail(op, f"out_a and out_b must share one floating dtype, got {out_a.dtype} and {out_b.dtype}")
+    if out_a.dtype not in _FLOATS:
+        _fail(op, f"out_a must be float16, bfloat16, float32 or float64, got {out_a.dtype}")
+    if out_b.dtype != out_a.dtype:
+        _fail(op, f"out_b must have out_a's dtype {out_a.dtype}, got {out_b.dtype}")
     B, M, H, _ = out_a.shape
     for name, lse in (("lse_a", lse_a), ("lse_b", lse_b)):
         if tuple(lse.shape) != (B, H, M):
@@ -164,6 +168,8 @@ def check_commit(kv_cache: Tensor, cache_seqlens: Tensor, accept_index: Tensor, 
             _fail(op, f"{name} must be int32 [B] = ({B},), got {t.dtype} {tuple(t.shape)}")
     if accept_index.dtype not in _INTS or accept_index.dim() != 2 or accept_index.shape[0] != B:
         _fail(op, f"accept_index must be int32 [B, A] with B = {B}, got {accept_index.dtype} {tuple(accept_index.shape)}")
+    if accept_index.shape[1] > MAX_ACCEPT:
+        _fail(op, f"accept_index may hold at most {MAX_ACCEPT} entries per row, got {accept_index.shape[1]}")
     _same_device(op, kv_cache=kv_cache, cache_seqlens=cache_seqlens, accept_index=accept_index, accept_lens=accept_lens)
 
 

@@ -10,6 +10,10 @@ Kernels:
     ``longspec_ops._C`` (``csrc/``) registers ``merge_attn_states`` and ``commit_kv_`` for CUDA when it is built.
     Without it those two run the PyTorch reference on CUDA, and :func:`longspec_ops.has_cuda_kernels` says so.
 
+Value checks (lengths within the cache) cost a host sync on CUDA, so the raw CUDA ops skip them and their kernels
+clamp lengths into range (out-of-range commit rows are skipped): a bad value can never touch memory outside the
+cache. The CPU ops check values, and so do the typed wrappers in :mod:`longspec_ops.ops` on every device.
+
 Conventions (flash-attn layout): q ``[B, M, Hq, D]``; caches ``[B, N, Hkv, D]`` with rows ``[0, len)`` valid; tree
 k/v ``[B, M, Hkv, D]``; lse float32 ``[B, Hq, M]`` in natural log; out has q's dtype and is contiguous. Any strides
 with a contiguous last dimension are accepted. An empty key set gives out 0 and lse -inf.
@@ -57,6 +61,24 @@ def _merge_impl(out_a, lse_a, out_b, lse_b):
 
 lib.impl("merge_attn_states", _merge_impl, "CPU")
 
+# The CUDA kernel lives in csrc/ under an internal name: the public op checks its arguments in Python first, so a
+# bad call raises a clear ValueError before reaching C++ (an exception thrown inside a stable-ABI kernel crashed
+# the process on torch 2.11, seen on the H200).
+lib.define("_merge_attn_states_kernel(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) -> (Tensor, Tensor)")
+
+
+@torch.library.register_fake("longspec::_merge_attn_states_kernel", lib=lib)
+def _merge_kernel_fake(out_a, lse_a, out_b, lse_b):
+    return _empty_outputs(out_a)
+
+
+def _merge_cuda(out_a, lse_a, out_b, lse_b):
+    _checks.check_merge(out_a, lse_a, out_b, lse_b)
+    return torch.ops.longspec._merge_attn_states_kernel(out_a, lse_a, out_b, lse_b)
+
+
+lib.impl("merge_attn_states", _merge_cuda, "CUDA")
+
 
 # tree_attn -----------------------------------------------------------------------------------------------------
 lib.define("tree_attn(Tensor q, Tensor k, Tensor v, Tensor tree_mask, float scale) -> (Tensor out, Tensor lse)")
@@ -102,7 +124,6 @@ def _prefix_cpu(q, k_cache, v_cache, kv_lens, scale):
 
 def _prefix_cuda(q, k_cache, v_cache, kv_lens, scale):
     _checks.check_prefix(q, k_cache, v_cache, kv_lens, scale)
-    _checks.check_lengths("prefix_attn", "kv_lens", kv_lens, k_cache.shape[1])
     return _kernels().prefix_attn(q, k_cache, v_cache, kv_lens, scale)
 
 
@@ -140,7 +161,6 @@ def _hybrid_cpu(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, tree_mask, s
 
 def _hybrid_cuda(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, tree_mask, scale):
     _checks.check_hybrid(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, tree_mask, scale)
-    _checks.check_lengths("hybrid_tree_attn", "cache_seqlens", cache_seqlens, k_cache.shape[1])
     return _kernels().hybrid_tree_attn(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, tree_mask, scale)
 
 
@@ -176,7 +196,6 @@ def _draft_cross_cpu(q, k_cache, v_cache, q_pos, cache_seqlens, scale):
 
 def _draft_cross_cuda(q, k_cache, v_cache, q_pos, cache_seqlens, scale):
     _checks.check_draft_cross(q, k_cache, v_cache, q_pos, cache_seqlens, scale)
-    _checks.check_lengths("draft_cross_attn", "cache_seqlens", cache_seqlens, k_cache.shape[1])
     kv_lens = ref.draft_kv_lens(q_pos, cache_seqlens)
     return _kernels().prefix_attn(q, k_cache, v_cache, kv_lens, scale)
 
@@ -209,8 +228,23 @@ def _commit_impl(kv_cache, cache_seqlens, accept_index, accept_lens):
 
 lib.impl("commit_kv_", _commit_impl, "CPU")
 
+lib.define("_commit_kv_kernel(Tensor(a!) kv_cache, Tensor cache_seqlens, Tensor accept_index, Tensor accept_lens) -> ()")
+
+
+@torch.library.register_fake("longspec::_commit_kv_kernel", lib=lib)
+def _commit_kernel_fake(kv_cache, cache_seqlens, accept_index, accept_lens):
+    return None
+
+
+def _commit_cuda(kv_cache, cache_seqlens, accept_index, accept_lens):
+    _checks.check_commit(kv_cache, cache_seqlens, accept_index, accept_lens)
+    torch.ops.longspec._commit_kv_kernel(kv_cache, cache_seqlens, accept_index, accept_lens)
+
+
+lib.impl("commit_kv_", _commit_cuda, "CUDA")
+
 
 def register_reference_cuda_fallbacks() -> None:
-    """Run merge_attn_states and commit_kv_ through the PyTorch reference on CUDA (only when ``_C`` is absent)."""
-    lib.impl("merge_attn_states", _merge_impl, "CUDA")
-    lib.impl("commit_kv_", _commit_impl, "CUDA")
+    """Back the internal CUDA kernels with the PyTorch references (only when ``_C`` is absent)."""
+    lib.impl("_merge_attn_states_kernel", ref.merge_attn_states, "CUDA")
+    lib.impl("_commit_kv_kernel", ref.commit_kv_, "CUDA")

@@ -1,4 +1,10 @@
-"""Typed public wrappers over ``torch.ops.longspec``: defaults and documentation; the ops check their arguments."""
+"""Typed public wrappers over ``torch.ops.longspec``: defaults, documentation, and value checks.
+
+The raw ops check metadata everywhere and values (lengths within the cache) on CPU. On CUDA a value check needs a
+host sync, so the raw ops leave it out (their kernels clamp) and these wrappers do it: call ``torch.ops.longspec.*``
+directly in a hot loop, these functions where a clear error on a bad length is worth one sync (skipped under CUDA
+graph capture and tracing).
+"""
 from __future__ import annotations
 
 import math
@@ -7,7 +13,14 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from . import _checks
+
 _ops = torch.ops.longspec
+
+
+def _check_lengths_on_cuda(op: str, name: str, lens: Tensor, limit: int) -> None:
+    if isinstance(lens, Tensor) and lens.is_cuda:  # the CPU ops check values themselves
+        _checks.check_lengths(op, name, lens, limit)
 
 
 def _scale(q: Tensor, scale: Optional[float]) -> float:
@@ -61,6 +74,7 @@ def prefix_attn(
     Returns:
         ``(out [B, M, Hq, D], lse float32 [B, Hq, M])``; a query that sees no row gets out 0, lse -inf.
     """
+    _check_lengths_on_cuda("prefix_attn", "kv_lens", kv_lens, k_cache.shape[1])
     return _ops.prefix_attn(q, k_cache, v_cache, kv_lens, _scale(q, scale))
 
 
@@ -94,6 +108,7 @@ def hybrid_tree_attn(
         >>> kt = vt = torch.randn(B, M, Hkv, D); mask = torch.eye(M, dtype=torch.bool)[None]
         >>> out, lse = hybrid_tree_attn(q, kc, vc, torch.tensor([1000], dtype=torch.int32), kt, vt, mask)
     """
+    _check_lengths_on_cuda("hybrid_tree_attn", "cache_seqlens", cache_seqlens, k_cache.shape[1])
     return _ops.hybrid_tree_attn(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, tree_mask, _scale(q, scale))
 
 
@@ -110,6 +125,7 @@ def draft_cross_attn(
         q: ``[B, M, Hq, D]`` (RoPE applied at q_pos); k_cache, v_cache: ``[B, N, Hkv, D]`` (keys post-RoPE).
         q_pos: int32 ``[B, M]``; cache_seqlens: int32 ``[B]``; scale: default ``1/sqrt(D)``.
     """
+    _check_lengths_on_cuda("draft_cross_attn", "cache_seqlens", cache_seqlens, k_cache.shape[1])
     return _ops.draft_cross_attn(q, k_cache, v_cache, q_pos, cache_seqlens, _scale(q, scale))
 
 
@@ -126,4 +142,7 @@ def commit_kv_(kv_cache: Tensor, cache_seqlens: Tensor, accept_index: Tensor, ac
     Row ``cache_seqlens[b] + j`` of every plane receives row ``cache_seqlens[b] + accept_index[b, j]`` for
     ``j < accept_lens[b]``; all sources are read before any destination is written.
     """
+    if kv_cache.is_cuda:
+        _checks.check_commit(kv_cache, cache_seqlens, accept_index, accept_lens)
+        _checks.check_commit_values(kv_cache, cache_seqlens, accept_index, accept_lens)
     _ops.commit_kv_(kv_cache, cache_seqlens, accept_index, accept_lens)

@@ -84,15 +84,16 @@ class AttnConfig:
 # small tiles. Hopper (H200) defaults, to be swept. Offline sm_90 compiles (ptxas, Triton 3.6) of every row below
 # show no register spills; registers/smem at D = 128: 16 rows 168 regs 70 KiB, 32 rows 238 regs 76 KiB, 64 rows
 # 255 regs 114 KiB, 128 rows (8 warps) 228 regs 132 KiB.
-#   * <= 16 rows (decode, M = 1 with G <= 16): memory bound. 3 stages of 64-row K and V blocks (cp.async) keep
-#     ~64 KiB in flight per program at D = 128 and leave room for two programs per SM.
+#   * <= 16 rows (decode, M = 1 with G <= 16): memory bound. 3 stages of 128-row K and V blocks (cp.async); swept
+#     on the H200 (benchmarks/sweep_attention.py): 52.5 us at 32k and 141 us at 128k against 58 / 149 for 64-row
+#     blocks with two programs per SM.
 #   * 17..64 rows: still mostly bandwidth bound; one warp group.
 #   * > 64 rows (tree verification, e.g. 69..74 tokens x G = 4): compute bound at long context (each K/V byte feeds
 #     ~300 rows); 128-row tiles run two wgmma warp groups and halve re-reads of K/V across row tiles.
 _INF_ROWS = 1 << 30
 _SPLIT_TABLE: tuple[tuple[int, int, bool, AttnConfig], ...] = (
     # max_d, max_rows, wide, config
-    (128, 16, True, AttnConfig(block_m=16, block_n=64, num_warps=4, num_stages=3, occupancy=2)),
+    (128, 16, True, AttnConfig(block_m=16, block_n=128, num_warps=4, num_stages=3, occupancy=1)),
     (128, 32, True, AttnConfig(block_m=32, block_n=64, num_warps=4, num_stages=3, occupancy=2)),
     (128, 64, True, AttnConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, occupancy=1)),
     (128, _INF_ROWS, True, AttnConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, occupancy=1)),
