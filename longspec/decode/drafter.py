@@ -30,6 +30,9 @@ class TreeSpec:
     shape: tuple[int, ...]
     depths: tuple[int, ...] = field(init=False)  # depth of every node, root = 0
     offsets: tuple[int, ...] = field(init=False)  # first node index of every depth, root included
+    # depth_tensor's per-device copies: building one from a Python list is a host-to-device copy, which syncs the
+    # stream and cannot run inside a CUDA-graph capture, so it happens once per device
+    _depth_tensors: dict = field(init=False, default_factory=dict, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         shape = tuple(int(s) for s in self.shape)
@@ -54,8 +57,11 @@ class TreeSpec:
         return len(self.shape)
 
     def depth_tensor(self, device: torch.device | str) -> Tensor:
-        """int64 [T]: the depth of every node."""
-        return torch.tensor(self.depths, dtype=torch.int64, device=device)
+        """int64 [T]: the depth of every node (cached per device; do not modify it in place)."""
+        device = torch.device(device)
+        if device not in self._depth_tensors:
+            self._depth_tensors[device] = torch.tensor(self.depths, dtype=torch.int64, device=device)
+        return self._depth_tensors[device]
 
 
 @dataclass
@@ -79,7 +85,8 @@ class DecodeState:
     target:  the Hugging Face causal LM being decoded.
     cache:   the target's :class:`~longspec.model.target.StaticKVCache`; ``cache.seqlens`` (int32 [B]) are the
              committed lengths, ``cache.key(layer)`` / ``cache.value(layer)`` the ``[B, N, Hkv, D]`` views.
-    tokens:  int64 [B, C] committed tokens per row, left-aligned: ``tokens[b, :seqlens[b]]`` are valid.
+    tokens:  int64 [B, C] committed tokens per row, left-aligned: ``tokens[b, :seqlens[b]]`` are valid, and
+             ``tokens[b, seqlens[b]] == root[b]`` (so a drafter can read the context including the root in place).
     root:    int64 [B] the pending token of every row, at position ``seqlens[b]``.
     active:  bool [B] rows still generating (finished rows may be given any tree; their output is discarded).
     """
@@ -97,7 +104,12 @@ class DecodeState:
 
 @runtime_checkable
 class Drafter(Protocol):
-    """A source of draft trees. Implementations keep their own state between calls, keyed to ``DecodeState``."""
+    """A source of draft trees. Implementations keep their own state between calls, keyed to ``DecodeState``.
+
+    Optional attributes the engine reads when present: ``vocab_size`` (checked against the target's) and
+    ``reads_all_target_layers`` (default True; False means only the last layer's cache rows and the token ids are
+    read, which allows ``KVUpdate.REFEED``).
+    """
 
     def prefill(self, state: DecodeState, tree: TreeSpec) -> None:
         """Called once per ``generate`` after the target's prefill (``seqlens`` = prompt lengths)."""

@@ -1,0 +1,158 @@
+"""The ``longspec`` command line: ``longspec generate ...`` (``train`` and ``demo`` are added as subcommands later).
+
+Each subcommand registers itself in :func:`build_parser` with an ``add_<name>_parser`` function and a ``run``
+callable taking the parsed arguments and returning an exit code.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class CLIError(Exception):
+    """A user-facing error: printed as ``longspec: error: ...`` with exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="longspec", description="Long-context lossless speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_generate_parser(sub)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (CLIError, ValueError) as err:
+        print(f"longspec: error: {err}", file=sys.stderr)
+        return 2
+
+
+# -- generate -------------------------------------------------------------------------------------------------------
+
+
+def add_generate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text from a local Hugging Face model, speculatively",
+                       description="Stream a continuation of --prompt-file to stdout; stats go to stderr.")
+    p.add_argument("--target", required=True, help="local directory of the target model and tokenizer")
+    draft = p.add_mutually_exclusive_group()
+    draft.add_argument("--draft", help="local directory of a LongSpec draft trained for the target")
+    draft.add_argument("--drafter", choices=("pld", "streaming", "none"), default=None,
+                       help="built-in drafter when --draft is not given (default: pld)")
+    p.add_argument("--prompt-file", required=True, help="text file holding the prompt ('-' reads stdin)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None, help="seed-exact sampling (same tokens as plain decoding)")
+    p.add_argument("--tree-shape", type=int, nargs="+", default=None,
+                   help="nodes per depth (default: 4 16 16 16 16 with --draft, else 1 1 1 1 1)")
+    p.add_argument("--dtype", choices=tuple(_DTYPES), default="bfloat16")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--cuda-graphs", action="store_true", help="capture the target forwards as CUDA graphs")
+    p.add_argument("--max-cache-len", type=int, default=None, help="refuse requests needing more cache rows")
+    p.add_argument("--sink", type=int, default=32, help="streaming drafter: attention-sink rows")
+    p.add_argument("--window", type=int, default=1024, help="streaming drafter: recent-window rows")
+    p.add_argument("--max-ngram", type=int, default=3, help="pld drafter: longest n-gram matched")
+    p.set_defaults(run=run_generate)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from longspec import SpeculativeDecoder
+
+    tokenizer, model = _load_target(args.target, _DTYPES[args.dtype], args.device)
+    prompt_ids = _encode_prompt(tokenizer, _read_prompt(args.prompt_file), args.chat).to(args.device)
+    drafter = _build_drafter(args, model)
+    tree_shape = args.tree_shape or ((4, 16, 16, 16, 16) if args.draft else (1, 1, 1, 1, 1))
+    decoder = SpeculativeDecoder(model, drafter, tree_shape=tree_shape, cuda_graphs=args.cuda_graphs,
+                                 max_cache_len=args.max_cache_len)
+    out = decoder.generate(prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, streamer=_TextStreamer(tokenizer))
+    print(flush=True)
+    print(out.stats.summary(), file=sys.stderr)
+    return 0
+
+
+def _load_target(path: str, dtype: torch.dtype, device: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not Path(path).is_dir():
+        raise CLIError(f"--target {path!r} is not a directory")
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device).eval()
+    return tokenizer, model
+
+
+def _read_prompt(path: str) -> str:
+    if path == "-":
+        return sys.stdin.read()
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as err:
+        raise CLIError(f"cannot read --prompt-file {path!r}: {err.strerror}") from err
+
+
+def _encode_prompt(tokenizer, text: str, chat: bool) -> torch.Tensor:
+    if chat:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)["input_ids"]
+    else:
+        ids = tokenizer(text, return_tensors="pt")["input_ids"]
+    if ids.shape[1] == 0:
+        raise CLIError("the prompt is empty after tokenization")
+    return ids
+
+
+def _build_drafter(args: argparse.Namespace, model):
+    from longspec import PromptLookupDrafter, StreamingSelfDrafter
+
+    if args.draft:
+        return _load_longspec_drafter(args.draft, model)
+    builders: dict[str, Callable[[], object]] = {
+        "pld": lambda: PromptLookupDrafter(max_ngram=args.max_ngram),
+        "streaming": lambda: StreamingSelfDrafter(sink=args.sink, window=args.window),
+        "none": lambda: None,
+    }
+    return builders[args.drafter or "pld"]()
+
+
+def _load_longspec_drafter(path: str, model):
+    """``longspec.LongSpecDrafter(longspec.LongSpecDraft.from_pretrained(path, target=model))``, checked."""
+    try:
+        from longspec import LongSpecDraft, LongSpecDrafter
+    except ImportError as err:
+        raise CLIError(f"--draft needs longspec.LongSpecDraft and longspec.LongSpecDrafter, unavailable here ({err})") from err
+    draft = LongSpecDraft.from_pretrained(path, target=model)
+    draft_vocab = getattr(getattr(draft, "config", None), "vocab_size", None)
+    target_vocab = model.config.vocab_size
+    if draft_vocab is not None and draft_vocab != target_vocab:
+        raise CLIError(f"the draft's vocabulary ({draft_vocab} tokens, {path}) differs from the target's ({target_vocab})")
+    return LongSpecDrafter(draft)
+
+
+class _TextStreamer:
+    """Prints row 0's new text after every round (decoding the whole output keeps multi-token characters intact)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.printed = 0
+
+    def __call__(self, tokens: torch.Tensor, counts: torch.Tensor) -> None:
+        self.ids.extend(tokens[0, : int(counts[0])].tolist())
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        sys.stdout.write(text[self.printed:])
+        sys.stdout.flush()
+        self.printed = len(text)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

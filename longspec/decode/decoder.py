@@ -1,0 +1,574 @@
+"""SpeculativeDecoder: lossless speculative (or plain) decoding of a Hugging Face causal LM on longspec's kernels.
+
+A generate call:
+
+1. **Prompt.** A left-padded batch (``attention_mask``) is made left-aligned: token j of a row sits at position j
+   and cache row j. A preallocated :class:`~longspec.model.target.StaticKVCache` holds every layer.
+2. **Prefill** (chunked) writes the prompt's K/V and samples the first token, the *root*: pending, at position
+   ``seqlens[b]``, not yet in the cache.
+3. **Rounds.** With a drafter: propose a tree rooted at the root, verify it in one target forward
+   (``hybrid_tree_attn``), accept by the point-mass rule (:mod:`~longspec.decode.verify`), compact the accepted
+   path's K/V with ``commit_kv_`` (all layers, one call; or see :class:`KVUpdate`) and advance ``seqlens``; the last
+   emitted token is the next root. Without a drafter ("Vanilla FA"): one token per forward through ``prefix_attn``.
+4. **Stops per row:** EOS ids, exactly ``max_new_tokens``; tokens after a stop in the same round are dropped and a
+   stopped row stays in the batch, masked. The only host sync per round reads whether any row is still active.
+
+Sampling is :func:`~longspec.decode.sampling.sample_tokens` for both paths; with a ``seed`` the speculative output
+equals plain decoding's token for token.
+"""
+from __future__ import annotations
+
+import contextlib
+import enum
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+import longspec_ops  # noqa: F401  (registers torch.ops.longspec)
+from longspec.model.target import (
+    StaticKVCache,
+    check_generation_length,
+    check_supported,
+    forward_extend,
+    forward_tree,
+    lm_logits,
+    use_longspec_attention,
+)
+
+from .drafter import DecodeState, Drafter, TreeSpec
+from .sampling import SamplingParams, sample_tokens
+from .tree import prefix_tree_mask, tree_mask_from_parents, tree_positions
+from .verify import accept_tree, node_draws
+
+Streamer = Callable[[Tensor, Tensor], None]
+
+
+class KVUpdate(enum.Enum):
+    """How the accepted path's K/V reach their committed rows after a verify (both exact; measure, keep the faster).
+
+    COMMIT: ``commit_kv_`` moves the path's rows into place in every layer (one launch for all layers).
+    REFEED: only the last layer is compacted (the rows a LongSpec draft reads); the next verify forward re-feeds the
+            path ahead of the tree (depth + 1 more query slots), which rewrites those rows in every layer. Between
+            rounds the other layers hold valid rows only up to ``seqlens - pending``, so drafters that read them
+            (:class:`~longspec.decode.streaming.StreamingSelfDrafter`) need COMMIT.
+    """
+
+    COMMIT = enum.auto()
+    REFEED = enum.auto()
+
+
+@dataclass
+class DecodeStats:
+    """Per-generate counters. ``tau`` = mean tokens emitted per verify forward over active rows (prefill excluded).
+
+    Times are seconds of wall clock (CUDA events on GPU) around the phases: reporting, not a benchmark.
+    """
+
+    rounds: int = 0
+    generated_tokens: int = 0
+    tau: float = 0.0
+    time_prefill: float = 0.0
+    time_draft: float = 0.0
+    time_verify: float = 0.0
+    time_other: float = 0.0
+
+    def summary(self) -> str:
+        return (
+            f"rounds={self.rounds} tokens={self.generated_tokens} tau={self.tau:.2f} "
+            f"prefill={self.time_prefill:.3f}s draft={self.time_draft:.3f}s verify={self.time_verify:.3f}s "
+            f"other={self.time_other:.3f}s"
+        )
+
+
+@dataclass
+class GenerateOutput:
+    """What :meth:`SpeculativeDecoder.generate` returns.
+
+    sequences:      int64 ``[B, S_in + G]``: the input as given, then each row's generated tokens (G = the longest
+                    row's count), right-padded with the pad id (the EOS id when the model has none) after it stopped.
+    accept_lengths: list of B lists: ``accept_lengths[b][r]`` = tokens row b emitted by the r-th verify forward it
+                    took part in (accepted drafts + bonus, after stop truncation; always 1 for plain decoding). The
+                    first token, sampled by the prefill, is not counted, so ``1 + sum(accept_lengths[b])`` is row
+                    b's generated length.
+    stats:          :class:`DecodeStats`.
+    """
+
+    sequences: Tensor
+    accept_lengths: list[list[int]]
+    stats: DecodeStats
+
+
+@dataclass
+class _Prompt:
+    tokens: Tensor  # int64 [B, S] left-aligned, filler 0 after each row's end
+    lens: Tensor  # int64 [B]
+    max_len: int
+
+
+@dataclass
+class _Run:
+    """The mutable state of one generate call (static shapes; updated in place)."""
+
+    state: DecodeState
+    params: SamplingParams
+    eos: Tensor  # int64 [E]
+    max_new: int
+    generated: Tensor  # int64 [B] tokens emitted so far, root included
+    generator: Optional[torch.Generator]
+    pending: Tensor  # int64 [B] (REFEED) rows [seqlens - pending, seqlens) held by the last layer only
+    history: list[Tensor] = field(default_factory=list)  # per round: int64 [B] tokens emitted
+
+
+class _PhaseTimer:
+    """Accumulates time per phase name: CUDA events on GPU (read once at the end, no per-round sync)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.totals: dict[str, float] = defaultdict(float)
+        self._events: list[tuple[str, object, object]] = []
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((name, start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self.totals[name] += time.perf_counter() - t0
+
+    def seconds(self) -> dict[str, float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            for name, start, end in self._events:
+                self.totals[name] += start.elapsed_time(end) / 1e3
+            self._events.clear()
+        return dict(self.totals)
+
+
+class _CudaGraphForward:
+    """UNTESTED ON CPU (needs a CUDA device; the lead validates it on an H200).
+
+    Captures ``fn(*inputs)`` as one CUDA graph per input shapes and replays it after copying the inputs into
+    static buffers. ``fn`` must read everything else from persistent tensors (the cache and its ``seqlens``) and
+    may only write scratch cache rows, since the warm-up runs execute it for real.
+    """
+
+    def __init__(self, fn: Callable[..., Tensor]) -> None:
+        self.fn = fn
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[Tensor], Tensor]] = {}
+
+    def __call__(self, *inputs: Tensor) -> Tensor:
+        key = tuple((tuple(t.shape), t.dtype) for t in inputs)
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(inputs)
+        graph, static_inputs, static_out = self._graphs[key]
+        for dst, src in zip(static_inputs, inputs):
+            dst.copy_(src)
+        graph.replay()
+        return static_out
+
+    def _capture(self, inputs: Sequence[Tensor]) -> tuple[torch.cuda.CUDAGraph, list[Tensor], Tensor]:
+        static_inputs = [t.clone() for t in inputs]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up: Triton autotuning and allocator growth happen outside the capture
+                self.fn(*static_inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = self.fn(*static_inputs)
+        return graph, static_inputs, static_out
+
+
+def stop_lengths(
+    emitted: Tensor, counts: Tensor, eos: Tensor, remaining: Tensor, active: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Apply per-row stops to a round's emitted tokens.
+
+    Args:
+        emitted: int64 ``[B, A]`` tokens in order; counts: int64 ``[B]`` valid entries.
+        eos: int64 ``[E]`` stop ids (may be empty); remaining: int64 ``[B]`` tokens still allowed per row.
+        active: bool ``[B]`` rows still generating.
+
+    Returns:
+        ``(kept [B] int64, finished [B] bool)``: tokens kept (cut after the first EOS and at the budget; 0 for
+        inactive rows) and the rows that stop this round.
+    """
+    A = emitted.shape[1]
+    kept = torch.minimum(counts, remaining)
+    col = torch.arange(A, device=emitted.device)[None, :]
+    is_eos = torch.isin(emitted, eos) & (col < kept[:, None])
+    hit = is_eos.any(dim=1)
+    kept = torch.where(hit, is_eos.to(torch.int8).argmax(dim=1) + 1, kept)
+    kept = torch.where(active, kept, 0)
+    finished = active & (hit | (kept >= remaining))
+    return kept, finished
+
+
+class SpeculativeDecoder:
+    """Lossless speculative decoding for a Hugging Face causal LM (Llama, Mistral, Qwen2, Qwen3).
+
+    Args:
+        target: the model to decode (any dtype/device; it is run in eval semantics under ``inference_mode``).
+        drafter: a :class:`~longspec.decode.drafter.Drafter` or None for plain decoding on the same kernels.
+        tree_shape: nodes per depth (``(4, 16, 16, 16, 16)``: 69 nodes with the root; a chain is ``(1, 1, 1, 1)``).
+        cuda_graphs: capture the target's verify / decode forwards as CUDA graphs (CUDA only; untested on CPU).
+        prefill_chunk_size: prompt tokens per prefill forward (bounds prefill activation memory).
+        max_cache_len: refuse requests needing more cache rows than this (prompt + max_new_tokens + scratch rows).
+        kv_update: :class:`KVUpdate` strategy for the accepted path's K/V (COMMIT by default).
+
+    The decoder keeps its KV cache between ``generate`` calls (reused when big enough, so captured CUDA graphs stay
+    valid); one decoder serves one call at a time.
+
+    Example::
+
+        >>> dec = SpeculativeDecoder(model, PromptLookupDrafter(), tree_shape=(1, 1, 1, 1))
+        >>> out = dec.generate(input_ids, max_new_tokens=64)           # greedy == model.generate(do_sample=False)
+        >>> out.sequences.shape                                         # [B, S + generated]
+    """
+
+    def __init__(
+        self,
+        target: torch.nn.Module,
+        drafter: Optional[Drafter] = None,
+        tree_shape: Sequence[int] = (4, 16, 16, 16, 16),
+        cuda_graphs: bool = False,
+        prefill_chunk_size: int = 8192,
+        max_cache_len: Optional[int] = None,
+        kv_update: KVUpdate = KVUpdate.COMMIT,
+    ) -> None:
+        check_supported(target)
+        _check_drafter(target, drafter, kv_update)
+        if not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1:
+            raise ValueError(f"prefill_chunk_size must be an int >= 1, got {prefill_chunk_size!r}")
+        self.target = target
+        self.kv_update = kv_update
+        self.drafter = drafter
+        self.tree = TreeSpec(tuple(tree_shape))
+        self.cuda_graphs = bool(cuda_graphs)
+        self.prefill_chunk_size = prefill_chunk_size
+        self.max_cache_len = max_cache_len
+        self._cache: Optional[StaticKVCache] = None
+        self._graphs: dict[str, _CudaGraphForward] = {}
+
+    # -- public ---------------------------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        input_ids: Tensor,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: Optional[int] = None,
+        eos_token_id: Optional[int | Sequence[int]] = None,
+        attention_mask: Optional[Tensor] = None,
+        *,
+        generator: Optional[torch.Generator] = None,
+        streamer: Optional[Streamer] = None,
+    ) -> GenerateOutput:
+        """Generate up to ``max_new_tokens`` tokens per row of ``input_ids`` (int64 ``[B, S]``).
+
+        ``attention_mask`` (``[B, S]``, 1 = token) marks left padding. ``temperature < 1e-5`` is greedy; otherwise
+        temperature/top-k/top-p shape the target distribution and sampling is seed-exact when ``seed`` is set
+        (else drawn from ``generator``). ``eos_token_id`` defaults to the model's generation config.
+        ``streamer(tokens [B, A], counts [B])`` is called after the prefill and after every round with the tokens
+        each row emitted (it may sync the device; without it a round syncs once).
+        """
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        params = SamplingParams(float(temperature), top_k, float(top_p), seed)
+        device = self.target.get_output_embeddings().weight.device
+        prompt = _prepare_prompt(input_ids, attention_mask, device)
+        total = prompt.max_len + max_new_tokens
+        check_generation_length(self.target, total)
+        eos = _eos_ids(eos_token_id, self.target)
+        timer = _PhaseTimer(device)
+        t0 = time.perf_counter()
+        with torch.inference_mode(), use_longspec_attention(self.target):
+            run = self._start(prompt, params, eos, max_new_tokens, generator, timer)
+            if streamer is not None:
+                streamer(run.state.root[:, None], torch.ones_like(run.generated))
+            while bool(run.state.active.any()):  # the round's one host sync
+                self._round(run, timer, streamer)
+            sequences = _output_sequences(input_ids.to(device), prompt, run, _pad_id(self.target, eos))
+        stats = _stats(run, timer, time.perf_counter() - t0)
+        return GenerateOutput(sequences, _accept_lengths(run), stats)
+
+    # -- phases ---------------------------------------------------------------------------------------------------
+
+    def _start(self, prompt: _Prompt, params: SamplingParams, eos: Tensor, max_new: int,
+               generator: Optional[torch.Generator], timer: _PhaseTimer) -> _Run:
+        """Allocate, prefill, sample the first token and let the drafter prefill."""
+        B = prompt.tokens.shape[0]
+        cache = self._cache_for(B, prompt.max_len + max_new + self._scratch_rows())
+        self.tree.depth_tensor(cache.kv.device)  # made here, outside any graph capture
+        width = prompt.max_len + max_new + self.tree.depth + 2  # room for a round's writes past the end
+        tokens = torch.zeros(B, width, dtype=torch.int64, device=cache.kv.device)
+        tokens[:, : prompt.tokens.shape[1]] = prompt.tokens
+        with timer.phase("prefill"):
+            logits = self._prefill_logits(cache, prompt)
+            root = sample_tokens(logits, params, prompt.lens[:, None], generator)[:, 0]
+        cache.seqlens.copy_(prompt.lens.to(torch.int32))
+        tokens.scatter_(1, prompt.lens[:, None], root[:, None])
+        active = ~torch.isin(root, eos) & (max_new > 1)
+        state = DecodeState(self.target, cache, tokens, root, active)
+        zeros = torch.zeros(B, dtype=torch.int64, device=root.device)
+        run = _Run(state, params, eos, max_new, zeros + 1, generator, pending=zeros.clone())
+        if self.drafter is not None:
+            with timer.phase("draft"):
+                self.drafter.prefill(state, self.tree)
+        return run
+
+    def _prefill_logits(self, cache: StaticKVCache, prompt: _Prompt) -> Tensor:
+        """Write the prompt's K/V chunk by chunk; float32 logits ``[B, 1, V]`` at each row's last prompt token."""
+        B, S = prompt.tokens.shape
+        last = (prompt.lens - 1)[:, None, None]
+        hidden_last = None
+        for lo in range(0, S, self.prefill_chunk_size):
+            hi = min(lo + self.prefill_chunk_size, S)
+            cache.seqlens.fill_(lo)  # rows past a short prompt's end get filler K/V, never visible later
+            hidden = forward_extend(self.target, cache, prompt.tokens[:, lo:hi])
+            idx = (last - lo).clamp(0, hi - lo - 1).expand(B, 1, hidden.shape[-1])
+            picked = hidden.gather(1, idx)
+            in_chunk = ((last[:, 0, 0] >= lo) & (last[:, 0, 0] < hi))[:, None, None]
+            hidden_last = picked if hidden_last is None else torch.where(in_chunk, picked, hidden_last)
+        return lm_logits(self.target, hidden_last)
+
+    def _round(self, run: _Run, timer: _PhaseTimer, streamer: Optional[Streamer]) -> None:
+        if self.drafter is None:
+            with timer.phase("verify"):
+                emitted = self._plain_step(run)
+            counts, accept_index = torch.ones_like(run.generated), None
+        else:
+            with timer.phase("draft"):
+                draft = self.drafter.propose(run.state, self.tree)
+            with timer.phase("verify"):
+                emitted, counts, accept_index = self._verify_step(run, draft.tokens, draft.parents)
+        kept = self._advance(run, emitted, counts, accept_index)
+        if streamer is not None:
+            streamer(emitted, kept)
+
+    def _plain_step(self, run: _Run) -> Tensor:
+        """One token per row through ``prefix_attn``; int64 ``[B, 1]``."""
+        state = run.state
+        logits = self._graphed("decode", self._decode_logits)(state.root[:, None])
+        positions = state.seqlens.to(torch.int64)[:, None] + 1
+        return sample_tokens(logits, run.params, positions, run.generator)
+
+    def _verify_step(self, run: _Run, tokens: Tensor, parents: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Verify a draft tree; returns ``(emitted [B, D+1], accept_len [B], accept_index [B, D+1])``."""
+        T = self.tree.num_nodes
+        if tokens.shape != (run.state.root.shape[0], T) or parents.shape != tokens.shape:
+            raise ValueError(f"the drafter must propose tokens and parents of shape [B, {T}], got "
+                             f"{tuple(tokens.shape)} and {tuple(parents.shape)}")
+        mask = tree_mask_from_parents(parents, self.tree)
+        if self.kv_update is KVUpdate.REFEED:
+            pending = run.state.tokens.gather(1, self._pending_columns(run))
+            logits = self._graphed("verify", self._refeed_tree_logits)(pending, run.pending, tokens, mask)
+        else:
+            logits = self._graphed("verify", self._tree_logits)(tokens, mask)
+        draws = node_draws(logits, run.params, run.state.seqlens, self.tree, run.generator)
+        acc = accept_tree(tokens, parents, mask, draws, self.tree)
+        return acc.emitted, acc.accept_len, acc.accept_index
+
+    def _advance(self, run: _Run, emitted: Tensor, counts: Tensor, accept_index: Optional[Tensor]) -> Tensor:
+        """Apply stops, commit the accepted rows, append tokens and move the root. Returns tokens kept [B]."""
+        state = run.state
+        kept, finished = stop_lengths(emitted, counts, run.eos, run.max_new - run.generated, state.active)
+        if accept_index is not None:
+            self._commit(run, accept_index, kept)
+        base = state.seqlens.to(torch.int64)[:, None] + 1
+        state.tokens.scatter_(1, base + torch.arange(emitted.shape[1], device=base.device), emitted)
+        new_root = emitted.gather(1, (kept - 1).clamp(min=0)[:, None])[:, 0]
+        state.root.copy_(torch.where(kept > 0, new_root, state.root))
+        state.seqlens.add_(kept.to(torch.int32))
+        run.generated.add_(kept)
+        state.active.logical_and_(~finished)
+        run.history.append(kept)
+        return kept
+
+    def _commit(self, run: _Run, accept_index: Tensor, kept: Tensor) -> None:
+        """Compact root + accepted drafts into rows ``seqlens + [0, kept)``: every layer (COMMIT) or the last (REFEED)."""
+        cache = run.state.cache
+        if self.kv_update is KVUpdate.COMMIT:
+            torch.ops.longspec.commit_kv_(cache.planes(), cache.seqlens, accept_index.to(torch.int32), kept.to(torch.int32))
+            return
+        # the tree sat behind the R re-fed slots: node i at row (seqlens - pending) + R + i
+        shift = (self.tree.depth + 1 - run.pending)[:, None]
+        torch.ops.longspec.commit_kv_(cache.kv[-1], cache.seqlens, (accept_index + shift).to(torch.int32),
+                                kept.to(torch.int32))
+        run.pending.copy_(kept)
+
+    def _pending_columns(self, run: _Run) -> Tensor:
+        """int64 ``[B, depth + 1]`` token-buffer columns of the path to re-feed (valid below ``run.pending``)."""
+        start = run.state.seqlens.to(torch.int64) - run.pending
+        return start[:, None] + torch.arange(self.tree.depth + 1, device=start.device)
+
+    def _scratch_rows(self) -> int:
+        """Cache rows past the committed length that one decode / verify step writes."""
+        if self.drafter is None:
+            return 1
+        if self.kv_update is KVUpdate.REFEED:
+            return self.tree.num_nodes + self.tree.depth + 1
+        return self.tree.num_nodes
+
+    # -- target forwards (the capturable parts) -------------------------------------------------------------------
+
+    def _decode_logits(self, root: Tensor) -> Tensor:
+        hidden = forward_extend(self.target, self._cache, root)
+        return lm_logits(self.target, hidden)
+
+    def _tree_logits(self, tokens: Tensor, mask: Tensor) -> Tensor:
+        positions = tree_positions(self._cache.seqlens, self.tree)
+        hidden = forward_tree(self.target, self._cache, tokens, positions, mask)
+        return lm_logits(self.target, hidden)
+
+    def _refeed_tree_logits(self, pending: Tensor, pending_len: Tensor, tokens: Tensor, mask: Tensor) -> Tensor:
+        """REFEED verify: ``[pending path (R slots) | tree]`` over the rows every layer holds; tree logits only."""
+        cache, R = self._cache, pending.shape[1]
+        held = cache.seqlens - pending_len.to(torch.int32)  # rows valid in every layer
+        ids = torch.cat([pending, tokens], dim=1)
+        positions = torch.cat([held.to(torch.int64)[:, None] + torch.arange(R, device=ids.device),
+                               tree_positions(cache.seqlens, self.tree)], dim=1)
+        full_mask = prefix_tree_mask(pending_len, R, mask)
+        hidden = forward_tree(self.target, cache, ids, positions, full_mask, seqlens=held)
+        return lm_logits(self.target, hidden[:, R:])
+
+    def _graphed(self, name: str, fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        if not self.cuda_graphs or self._cache.kv.device.type != "cuda":
+            return fn
+        if name not in self._graphs:
+            self._graphs[name] = _CudaGraphForward(fn)
+        return self._graphs[name]
+
+    def _cache_for(self, batch: int, rows: int) -> StaticKVCache:
+        """Reuse the cache when it fits (CUDA graphs captured on it stay valid); otherwise allocate a new one."""
+        if self.max_cache_len is not None and rows > self.max_cache_len:
+            raise ValueError(f"the request needs {rows} cache rows (prompt + max_new_tokens + scratch rows for one "
+                             f"verify step), more than max_cache_len={self.max_cache_len}")
+        dtype, device = self.target.dtype, self.target.get_output_embeddings().weight.device
+        cache = self._cache
+        if cache is None or cache.batch_size != batch or cache.max_len < rows or cache.kv.dtype != dtype:
+            rows = -(-rows // 256) * 256  # round up so later requests can reuse it
+            if self.max_cache_len is not None:
+                rows = min(rows, self.max_cache_len)
+            cache = StaticKVCache.from_config(self.target.config, batch, rows, dtype, device)
+            self._cache, self._graphs = cache, {}
+        cache.seqlens.zero_()
+        return cache
+
+
+# -- helpers --------------------------------------------------------------------------------------------------------
+
+
+def _check_drafter(target: torch.nn.Module, drafter: Optional[Drafter], kv_update: KVUpdate) -> None:
+    if drafter is not None and not isinstance(drafter, Drafter):
+        raise TypeError(f"drafter must implement the Drafter protocol (prefill, propose), got {type(drafter).__name__}")
+    draft_vocab = getattr(drafter, "vocab_size", None)
+    target_vocab = target.get_output_embeddings().out_features
+    if draft_vocab is not None and draft_vocab != target_vocab:
+        raise ValueError(f"the drafter's vocabulary ({draft_vocab}) differs from the target's ({target_vocab})")
+    if not isinstance(kv_update, KVUpdate):
+        raise TypeError(f"kv_update must be a KVUpdate, got {kv_update!r}")
+    if kv_update is KVUpdate.REFEED and getattr(drafter, "reads_all_target_layers", True) and drafter is not None:
+        raise ValueError(f"KVUpdate.REFEED keeps only the target's last layer current between rounds, but "
+                         f"{type(drafter).__name__} reads every layer (reads_all_target_layers); use KVUpdate.COMMIT")
+
+
+def _prepare_prompt(input_ids: Tensor, attention_mask: Optional[Tensor], device: torch.device) -> _Prompt:
+    """Validate and left-align a (left-padded) batch: token j of a row at column j, filler 0 after its end."""
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"input_ids must be an integer tensor [B, S], got "
+                         f"{getattr(input_ids, 'dtype', type(input_ids).__name__)} {tuple(getattr(input_ids, 'shape', ()))}")
+    if input_ids.shape[0] < 1 or input_ids.shape[1] < 1:
+        raise ValueError(f"input_ids must hold at least one token per row, got shape {tuple(input_ids.shape)}")
+    ids = input_ids.to(device=device, dtype=torch.int64)
+    if attention_mask is None:
+        lens = torch.full((ids.shape[0],), ids.shape[1], dtype=torch.int64, device=device)
+        return _Prompt(ids, lens, ids.shape[1])
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}, "
+                         f"got {tuple(attention_mask.shape)}")
+    mask = attention_mask.to(device=device) != 0
+    lens = mask.sum(dim=1)
+    # left padding: every row is zeros then ones, i.e. its ones are exactly its last lens[b] columns
+    col = torch.arange(ids.shape[1], device=device)[None, :]
+    if not bool(torch.equal(mask, col >= ids.shape[1] - lens[:, None])) or bool((lens == 0).any()):
+        raise ValueError("attention_mask must mark left padding (zeros then ones in every row) and every row needs "
+                         "at least one token")
+    shift = (ids.shape[1] - lens)[:, None]
+    aligned = ids.gather(1, (col + shift).clamp(max=ids.shape[1] - 1))
+    aligned = torch.where(col < lens[:, None], aligned, 0)
+    max_len = int(lens.max())
+    return _Prompt(aligned[:, :max_len], lens, max_len)
+
+
+def _as_id_list(ids) -> list[int]:
+    if ids is None:
+        return []
+    if isinstance(ids, int):
+        return [ids]
+    return [int(i) for i in ids]
+
+
+def _eos_ids(eos_token_id, model) -> Tensor:
+    """The stop ids: the argument, else the model's generation config, else its config (may be empty)."""
+    device = model.get_output_embeddings().weight.device
+    if eos_token_id is not None:
+        ids = _as_id_list(eos_token_id)
+    else:
+        gen = getattr(model, "generation_config", None)
+        ids = _as_id_list(getattr(gen, "eos_token_id", None)) or _as_id_list(getattr(model.config, "eos_token_id", None))
+    return torch.tensor(ids, dtype=torch.int64, device=device)
+
+
+def _pad_id(model, eos: Tensor) -> int:
+    """The id written after a row stops: pad_token_id from the generation config or config, else the first EOS."""
+    gen = getattr(model, "generation_config", None)
+    for source in (gen, model.config):
+        pad = getattr(source, "pad_token_id", None)
+        if pad is not None:
+            return int(pad)
+    return int(eos[0]) if eos.numel() else 0
+
+
+def _output_sequences(input_ids: Tensor, prompt: _Prompt, run: _Run, pad: int) -> Tensor:
+    """``[B, S_in + G]``: the input as given, then the generated tokens, padded after each row's end."""
+    G = int(run.generated.max())
+    col = torch.arange(G, device=input_ids.device)[None, :]
+    gen = run.state.tokens.gather(1, prompt.lens[:, None] + col)
+    gen = torch.where(col < run.generated[:, None], gen, pad)
+    return torch.cat([input_ids.to(torch.int64), gen], dim=1)
+
+
+def _accept_lengths(run: _Run) -> list[list[int]]:
+    if not run.history:
+        return [[] for _ in range(run.generated.shape[0])]
+    table = torch.stack(run.history, dim=1).cpu().tolist()  # [B, rounds]
+    return [[n for n in row if n > 0] for row in table]
+
+
+def _stats(run: _Run, timer: _PhaseTimer, wall: float) -> DecodeStats:
+    times = timer.seconds()
+    emitted = torch.stack(run.history) if run.history else torch.zeros(0, dtype=torch.int64)
+    active_pairs = int((emitted > 0).sum())
+    stats = DecodeStats(
+        rounds=len(run.history),
+        generated_tokens=int(run.generated.sum()),
+        tau=float(emitted.sum()) / active_pairs if active_pairs else 0.0,
+        time_prefill=times.get("prefill", 0.0),
+        time_draft=times.get("draft", 0.0),
+        time_verify=times.get("verify", 0.0),
+    )
+    stats.time_other = max(wall - stats.time_prefill - stats.time_draft - stats.time_verify, 0.0)
+    return stats

@@ -1,0 +1,111 @@
+"""Prompt lookup decoding (PLD): draft the continuation of earlier occurrences of the last n tokens.
+
+The context is the committed text plus the root. For every start position s of the context we look for the longest
+n in ``[min_ngram, max_ngram]`` such that the n tokens before s equal the context's last n tokens; candidates rank
+by (n, recency). The best candidates' continuations are merged into the tree as a trie: the best match is the
+chain along index 0 of every level, other matches branch off where they differ (distinct siblings), and slots no
+match fills get a cheap guess (a repeat of the level's first node). Everything is batched tensor ops on the
+context's device (``unfold`` for the matching); loops run only over n-gram sizes and depths.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .drafter import DecodeState, DraftTree, TreeSpec
+
+
+class PromptLookupDrafter:
+    """A :class:`~longspec.decode.drafter.Drafter` that copies continuations from the prompt and generated text.
+
+    Args:
+        max_ngram: longest suffix matched (preferred).
+        min_ngram: shortest suffix matched.
+    """
+
+    reads_all_target_layers = False  # reads only token ids: works with KVUpdate.REFEED
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        if isinstance(min_ngram, bool) or not isinstance(min_ngram, int) or min_ngram < 1:
+            raise ValueError(f"min_ngram must be an int >= 1, got {min_ngram!r}")
+        if isinstance(max_ngram, bool) or not isinstance(max_ngram, int) or max_ngram < min_ngram:
+            raise ValueError(f"max_ngram must be an int >= min_ngram ({min_ngram}), got {max_ngram!r}")
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def prefill(self, state: DecodeState, tree: TreeSpec) -> None:
+        """Nothing to prepare: PLD reads ``state.tokens`` each round."""
+
+    def propose(self, state: DecodeState, tree: TreeSpec) -> DraftTree:
+        ctx = state.tokens  # [B, C]; tokens[b, seqlens[b]] is the root
+        last = state.seqlens.to(torch.int64)  # index of the root
+        score = self._start_scores(ctx, last)
+        k = min(max(tree.shape), score.shape[1])
+        top, start = torch.topk(score, k, dim=1)  # [B, K] best continuation starts
+        cont, valid = self._continuations(ctx, last, start, top >= 0, tree.depth)
+        return _trie(state.root, cont, valid, tree)
+
+    def _start_scores(self, ctx: Tensor, last: Tensor) -> Tensor:
+        """int64 ``[B, C + 1]``: for start s, ``n * (C + 1) + s`` for the longest matching n, else -1."""
+        B, C = ctx.shape
+        best = torch.full((B, C + 1), -1, dtype=torch.int64, device=ctx.device)
+        for n in range(self.min_ngram, self.max_ngram + 1):
+            if C < n + 1:
+                break
+            suffix_idx = (last[:, None] - n + 1 + torch.arange(n, device=ctx.device)).clamp(min=0)
+            suffix = ctx.gather(1, suffix_idx)  # [B, n], the n-gram ending at the root
+            windows = ctx.unfold(1, n, 1)  # [B, C - n + 1, n]
+            i = torch.arange(C - n + 1, device=ctx.device)
+            # the window must end before the root (so its continuation exists) and the suffix must exist
+            ok = (i[None, :] <= last[:, None] - n) & (last[:, None] >= n - 1)
+            match = (windows == suffix[:, None, :]).all(dim=-1) & ok
+            score = torch.where(match, n * (C + 1) + i[None, :] + n, -1)  # start s = i + n
+            best[:, n:] = torch.maximum(best[:, n:], score)
+        return best
+
+    @staticmethod
+    def _continuations(ctx: Tensor, last: Tensor, start: Tensor, found: Tensor, depth: int) -> tuple[Tensor, Tensor]:
+        """Tokens ``[B, K, depth]`` from each start, and their validity (inside the context, candidate found)."""
+        B, C = ctx.shape
+        K = start.shape[1]
+        idx = start[:, :, None] + torch.arange(depth, device=ctx.device)  # [B, K, depth]
+        valid = found[:, :, None] & (idx <= last[:, None, None])
+        cont = ctx.gather(1, idx.clamp(max=C - 1).reshape(B, K * depth)).reshape(B, K, depth)
+        return cont, valid
+
+
+def _trie(root: Tensor, cont: Tensor, valid: Tensor, tree: TreeSpec) -> DraftTree:
+    """Merge candidate continuations ``[B, K, tree.depth]`` (best first) into a tree of ``tree.num_nodes`` nodes."""
+    B, K, _ = cont.shape
+    T = tree.num_nodes
+    dev = cont.device
+    tokens = torch.zeros(B, T + 1, dtype=torch.int64, device=dev)  # column T collects dropped writes
+    parents = torch.zeros(B, T + 1, dtype=torch.int64, device=dev)
+    tokens[:, 0], parents[:, 0] = root, -1
+    node = torch.zeros(B, K, dtype=torch.int64, device=dev)  # each candidate's node at the current depth
+    alive = valid[:, :, 0].clone()
+    cand = torch.arange(K, device=dev)
+    for d in range(1, tree.depth + 1):
+        lo, width = tree.offsets[d], tree.shape[d - 1]
+        live = alive & valid[:, :, d - 1]
+        prefix = cont[:, :, :d]
+        same = (prefix[:, :, None, :] == prefix[:, None, :, :]).all(dim=-1) & live[:, :, None] & live[:, None, :]
+        rep = same.to(torch.int8).argmax(dim=-1)  # first candidate with the same prefix
+        new = live & (rep == cand)
+        rank = new.cumsum(dim=1) - 1
+        kept = new & (rank < width)
+        slot = torch.where(kept, lo + rank, T)
+        tokens.scatter_(1, slot, cont[:, :, d - 1])
+        parents.scatter_(1, slot, node)
+        _fill_level(tokens, parents, kept.sum(dim=1), lo, width, tree.offsets[d - 1])
+        node = torch.where(kept, lo + rank, -1).gather(1, rep)
+        alive = live & (node >= 0)
+    return DraftTree(tokens[:, :T], parents[:, :T])
+
+
+def _fill_level(tokens: Tensor, parents: Tensor, count: Tensor, lo: int, width: int, first_parent: int) -> None:
+    """Slots ``[lo + count, lo + width)`` get the previous level's first node as parent and its token (a repeat)."""
+    empty = torch.arange(width, device=tokens.device)[None, :] >= count[:, None]  # [B, width]
+    guess = tokens[:, first_parent : first_parent + 1].expand_as(empty)
+    tokens[:, lo : lo + width] = torch.where(empty, guess, tokens[:, lo : lo + width])
+    parents[:, lo : lo + width] = torch.where(empty, first_parent, parents[:, lo : lo + width])

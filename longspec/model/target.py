@@ -1,0 +1,303 @@
+"""The target model adapter: a static KV cache and an attention function registered with transformers.
+
+No model file is forked. :func:`longspec_attention` is registered as the ``"longspec"`` implementation of
+transformers' ``AttentionInterface``; inside :func:`use_longspec_attention` the model routes every attention call
+there, with an explicit :class:`AttentionStep` passed as the ``longspec_step`` forward kwarg (transformers forwards
+unknown kwargs to the attention function unchanged, and builds no mask for an implementation that has no entry in
+``AttentionMaskInterface``). The step says what to do:
+
+* ``Phase.EXTEND``: S new tokens per row are appended after the committed rows. Their K/V are written at cache rows
+  ``seqlens[b] + [0, S)`` and query i attends causally to rows ``[0, seqlens[b] + i]`` through ``prefix_attn``
+  (per-query lengths). Prefill (``seqlens = 0``) and plain one-token decoding are this phase.
+* ``Phase.TREE``: T tree tokens under a boolean mask. Their K/V are written at scratch rows ``seqlens[b] + [0, T)``
+  (so ``commit_kv_`` can compact the accepted path afterwards) and attention is ``hybrid_tree_attn`` over the
+  committed rows ``[0, seqlens[b])`` plus the tree block: a rejected node is never visible to a later round.
+
+Layout: the cache holds every layer's K and V in one contiguous tensor ``kv [L, 2, B, N, Hkv, D]`` (flash-attn
+layout per layer); token j of a row sits at cache row j and absolute (RoPE) position j.
+"""
+from __future__ import annotations
+
+import contextlib
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator, Optional
+
+import torch
+from torch import Tensor
+from transformers import AttentionInterface
+
+import longspec_ops  # noqa: F401  (registers torch.ops.longspec)
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
+ATTN_IMPLEMENTATION = "longspec"
+
+# Architectures whose attention goes through ALL_ATTENTION_FUNCTIONS with post-RoPE q/k/v and a ``layer_idx``, and
+# whose logits are ``lm_head(final hidden)``. Others may work but are refused rather than risk silent errors.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+# RoPE variants whose frequencies depend on the largest position in the current forward: a tree forward reaches
+# further than a one-token step, so the logits would differ from plain decoding.
+_POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+class Phase(enum.Enum):
+    """What an attention call does with its new tokens (see the module docstring)."""
+
+    EXTEND = enum.auto()
+    TREE = enum.auto()
+
+
+class StaticKVCache:
+    """A preallocated KV cache for every layer in one allocation, with committed lengths per row.
+
+    Attributes:
+        kv: contiguous ``[L, 2, B, N, Hkv, D]``; ``kv[l, 0]`` / ``kv[l, 1]`` are layer l's keys (post-RoPE) / values.
+        seqlens: int32 ``[B]`` committed lengths; rows ``[0, seqlens[b])`` of every layer are valid.
+
+    ``commit_kv_`` takes :meth:`planes` (``kv.view(2 * L, B, N, Hkv, D)``).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        max_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if min(num_layers, batch_size, max_len, num_kv_heads, head_dim) < 1:
+            raise ValueError(
+                "StaticKVCache sizes must be positive, got "
+                f"num_layers={num_layers}, batch_size={batch_size}, max_len={max_len}, "
+                f"num_kv_heads={num_kv_heads}, head_dim={head_dim}"
+            )
+        shape = (num_layers, 2, batch_size, max_len, num_kv_heads, head_dim)
+        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        self.seqlens = torch.zeros(batch_size, dtype=torch.int32, device=device)
+
+    @classmethod
+    def from_config(
+        cls, config: "PretrainedConfig", batch_size: int, max_len: int, dtype: torch.dtype, device: torch.device | str
+    ) -> "StaticKVCache":
+        """A cache sized for a transformers decoder config (``num_hidden_layers``, KV heads, head dim)."""
+        return cls(config.num_hidden_layers, batch_size, max_len, num_kv_heads(config), head_dim(config), dtype, device)
+
+    @property
+    def num_layers(self) -> int:
+        return self.kv.shape[0]
+
+    @property
+    def batch_size(self) -> int:
+        return self.kv.shape[2]
+
+    @property
+    def max_len(self) -> int:
+        return self.kv.shape[3]
+
+    def key(self, layer: int) -> Tensor:
+        """``[B, N, Hkv, D]`` view of layer ``layer``'s keys."""
+        return self.kv[layer, 0]
+
+    def value(self, layer: int) -> Tensor:
+        """``[B, N, Hkv, D]`` view of layer ``layer``'s values."""
+        return self.kv[layer, 1]
+
+    def planes(self) -> Tensor:
+        """``[2L, B, N, Hkv, D]`` view (K and V planes of every layer), the layout ``commit_kv_`` expects."""
+        L, _, B, N, H, D = self.kv.shape
+        return self.kv.view(2 * L, B, N, H, D)
+
+    def write(self, layer: int, rows: Tensor, k: Tensor, v: Tensor) -> None:
+        """Scatter new K/V ``[B, S, Hkv, D]`` of layer ``layer`` to cache rows ``rows`` (int64 ``[B, S]``)."""
+        b = torch.arange(rows.shape[0], device=rows.device)[:, None].expand_as(rows)
+        self.kv[layer, 0, b, rows] = k
+        self.kv[layer, 1, b, rows] = v
+
+
+def num_kv_heads(config: "PretrainedConfig") -> int:
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def head_dim(config: "PretrainedConfig") -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+@dataclass
+class AttentionStep:
+    """One forward's instructions to :func:`longspec_attention`, shared by every layer.
+
+    phase:     :class:`Phase`.
+    cache:     the :class:`StaticKVCache` the new K/V go to (and the committed rows come from).
+    rows:      int64 ``[B, S]`` cache rows receiving the new tokens' K/V (``seqlens[:, None] + arange(S)``).
+    kv_lens:   int32 ``[B, S]`` (EXTEND) rows ``[0, kv_lens[b, i])`` visible to query i.
+    tree_mask: bool ``[B, S, S]`` (TREE) tree query i sees tree key j.
+    seqlens:   int32 ``[B]`` (TREE) committed rows every query sees, usually ``cache.seqlens``.
+    """
+
+    phase: Phase
+    cache: StaticKVCache
+    rows: Tensor
+    kv_lens: Optional[Tensor] = None
+    tree_mask: Optional[Tensor] = None
+    seqlens: Optional[Tensor] = None
+
+    @classmethod
+    def extend(cls, cache: StaticKVCache, num_new: int) -> "AttentionStep":
+        rows = cache.seqlens.to(torch.int64)[:, None] + torch.arange(num_new, device=cache.seqlens.device)
+        return cls(Phase.EXTEND, cache, rows, kv_lens=(rows + 1).to(torch.int32))
+
+    @classmethod
+    def tree(cls, cache: StaticKVCache, tree_mask: Tensor, seqlens: Optional[Tensor] = None) -> "AttentionStep":
+        seqlens = cache.seqlens if seqlens is None else seqlens
+        rows = seqlens.to(torch.int64)[:, None] + torch.arange(tree_mask.shape[1], device=tree_mask.device)
+        return cls(Phase.TREE, cache, rows, tree_mask=tree_mask, seqlens=seqlens)
+
+
+def longspec_attention(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Optional[Tensor],
+    scaling: Optional[float] = None,
+    dropout: float = 0.0,
+    longspec_step: Optional[AttentionStep] = None,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """The ``"longspec"`` attention implementation: q ``[B, Hq, S, D]``, k/v ``[B, Hkv, S, D]`` after RoPE.
+
+    Returns ``(out [B, S, Hq, D], None)``. ``attention_mask`` is ignored (none is built for this implementation);
+    the step carries all visibility. Sliding windows are not applied: generate refuses sequences longer than the
+    window (see :func:`check_generation_length`), where a window changes nothing.
+    """
+    step = longspec_step
+    if step is None:
+        raise RuntimeError(
+            "the 'longspec' attention implementation needs a longspec_step; run the model through "
+            "longspec.SpeculativeDecoder (or longspec.model.target.forward_extend / forward_tree)"
+        )
+    layer = module.layer_idx
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # flash layout views, no copies
+    cache = step.cache
+    cache.write(layer, step.rows, k, v)
+    # The raw ops: no host syncs in the decode loop (lengths come from the engine, see longspec_ops.ops).
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if step.phase is Phase.EXTEND:
+        out, _ = torch.ops.longspec.prefix_attn(q, cache.key(layer), cache.value(layer), step.kv_lens, scale)
+    else:
+        out, _ = torch.ops.longspec.hybrid_tree_attn(
+            q, cache.key(layer), cache.value(layer), step.seqlens, k, v, step.tree_mask, scale
+        )
+    return out, None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, longspec_attention)
+
+
+def check_supported(model: "PreTrainedModel") -> None:
+    """Raise ``ValueError`` naming the architecture unless ``model`` is a supported decoder-only causal LM."""
+    config = model.config
+    name = type(model).__name__
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES or getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"longspec: unsupported target architecture {name} (model_type={model_type!r}); "
+            f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    if not model._can_set_attn_implementation() or model.get_output_embeddings() is None:
+        raise ValueError(f"longspec: {name} does not route attention through transformers' AttentionInterface")
+    rope = getattr(config, "rope_parameters", None) or {}
+    rope_type = str(rope.get("rope_type", "default")) if isinstance(rope, dict) else "default"
+    if any(kind in rope_type for kind in _POSITION_DEPENDENT_ROPE):
+        raise ValueError(
+            f"longspec: {name} uses rope_type={rope_type!r}, whose frequencies depend on the longest position in a "
+            "forward; speculative verification would not reproduce plain decoding"
+        )
+
+
+def sliding_window(config: "PretrainedConfig") -> Optional[int]:
+    """The smallest attention window any layer uses, or None when every layer attends to the full context."""
+    window = getattr(config, "sliding_window", None)
+    if window is None:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
+
+
+def check_generation_length(model: "PreTrainedModel", total_len: int) -> None:
+    """Refuse a prompt + generation of ``total_len`` tokens the model cannot handle exactly.
+
+    Raises ``ValueError`` when it exceeds ``max_position_embeddings`` or a sliding attention window (the engine's
+    kernels attend to full context; within the window the two are identical).
+    """
+    config = model.config
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and total_len > limit:
+        raise ValueError(
+            f"prompt + max_new_tokens = {total_len} tokens exceeds the model's max_position_embeddings ({limit})"
+        )
+    window = sliding_window(config)
+    if window is not None and total_len > window:
+        raise ValueError(
+            f"prompt + max_new_tokens = {total_len} tokens exceeds the model's sliding_window ({window}); "
+            "longspec attends to the full context and does not implement sliding-window attention"
+        )
+
+
+@contextlib.contextmanager
+def use_longspec_attention(model: "PreTrainedModel") -> Iterator[None]:
+    """Route ``model``'s attention through :func:`longspec_attention` inside the block, then restore it."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+
+
+def _run(model: "PreTrainedModel", input_ids: Tensor, position_ids: Tensor, step: AttentionStep) -> Tensor:
+    if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+        raise RuntimeError("run the target inside longspec.model.target.use_longspec_attention(model)")
+    out = model.base_model(
+        input_ids=input_ids, position_ids=position_ids, past_key_values=None, use_cache=False, longspec_step=step
+    )
+    return out.last_hidden_state
+
+
+def forward_extend(model: "PreTrainedModel", cache: StaticKVCache, input_ids: Tensor) -> Tensor:
+    """Append ``input_ids`` (int64 ``[B, S]``) after each row's committed tokens; return hidden ``[B, S, H]``.
+
+    Token i of row b is at position and cache row ``cache.seqlens[b] + i``. ``cache.seqlens`` is not advanced.
+    """
+    step = AttentionStep.extend(cache, input_ids.shape[1])
+    return _run(model, input_ids, step.rows, step)
+
+
+def forward_tree(
+    model: "PreTrainedModel",
+    cache: StaticKVCache,
+    input_ids: Tensor,
+    position_ids: Tensor,
+    tree_mask: Tensor,
+    seqlens: Optional[Tensor] = None,
+) -> Tensor:
+    """Run T tree tokens (int64 ``[B, T]``) at RoPE positions ``position_ids`` (int64 ``[B, T]``) under
+    ``tree_mask`` (bool ``[B, T, T]``) over the committed rows ``[0, seqlens[b])`` (default ``cache.seqlens``);
+    return hidden ``[B, T, H]``.
+
+    Their K/V land in scratch rows ``seqlens[b] + [0, T)``; ``cache.seqlens`` is not advanced.
+    """
+    step = AttentionStep.tree(cache, tree_mask, seqlens)
+    return _run(model, input_ids, position_ids, step)
+
+
+def lm_logits(model: "PreTrainedModel", hidden: Tensor) -> Tensor:
+    """The target's logits for final hidden states ``[..., H]``: ``[..., V]`` in float32."""
+    return model.get_output_embeddings()(hidden).float()

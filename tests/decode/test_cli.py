@@ -1,0 +1,83 @@
+"""``longspec generate`` on a tiny model and word-level tokenizer saved to a temporary directory."""
+from __future__ import annotations
+
+import types
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+import longspec
+from longspec.cli import build_parser, main
+
+from .tiny_targets import VOCAB, tiny_target
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(3, VOCAB)]  # id 2 = </s> = the model's EOS
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>") \
+        .save_pretrained(path)
+    tiny_target("llama-gqa-d64").save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def prompt_file(tmp_path):
+    f = tmp_path / "prompt.txt"
+    f.write_text(" ".join(f"w{3 + (i * 7) % 11}" for i in range(40)))
+    return f
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize("drafter", ["pld", "streaming", "none"])
+def test_generate_streams_the_greedy_text(model_dir, prompt_file, capsys, drafter):
+    code, out, err = run(capsys, "generate", "--target", str(model_dir), "--prompt-file", str(prompt_file),
+                         "--max-new-tokens", "12", "--dtype", "float32", "--drafter", drafter,
+                         "--tree-shape", "2", "2")
+    assert code == 0, err
+    tok = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    ids = tok(prompt_file.read_text(), return_tensors="pt")["input_ids"]
+    want = tiny_target("llama-gqa-d64").generate(ids, do_sample=False, max_new_tokens=12)[0, ids.shape[1]:]
+    assert out == tok.decode(want, skip_special_tokens=True) + "\n"
+    assert "tau=" in err and "rounds=" in err
+
+
+def test_generate_errors(model_dir, prompt_file, capsys, monkeypatch):
+    base = ["generate", "--target", str(model_dir), "--prompt-file", str(prompt_file), "--dtype", "float32"]
+    code, _, err = run(capsys, *base, "--max-new-tokens", "500")
+    assert code == 2 and "exceeds the model's max_position_embeddings (512)" in err
+    code, _, err = run(capsys, *base, "--max-new-tokens", "8", "--max-cache-len", "30")
+    assert code == 2 and "more than max_cache_len=30" in err
+    code, _, err = run(capsys, "generate", "--target", str(model_dir), "--prompt-file", "/nonexistent/prompt")
+    assert code == 2 and "cannot read --prompt-file" in err
+
+    class FakeDraft:
+        config = types.SimpleNamespace(vocab_size=VOCAB + 1)
+
+        @classmethod
+        def from_pretrained(cls, path, target):
+            return cls()
+
+    monkeypatch.setattr(longspec, "LongSpecDraft", FakeDraft, raising=False)
+    monkeypatch.setattr(longspec, "LongSpecDrafter", lambda draft: None, raising=False)
+    code, _, err = run(capsys, *base, "--max-new-tokens", "8", "--draft", str(model_dir))
+    assert code == 2 and f"the draft's vocabulary ({VOCAB + 1} tokens" in err
+
+
+def test_parser_has_subcommands():
+    parser = build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args([])
+    args = parser.parse_args(["generate", "--target", "t", "--prompt-file", "p", "--drafter", "none"])
+    assert args.run.__name__ == "run_generate" and args.temperature == 0.0 and args.draft is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--target", "t", "--prompt-file", "p", "--draft", "d", "--drafter", "pld"])

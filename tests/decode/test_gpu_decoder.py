@@ -1,0 +1,84 @@
+"""The engine on a GPU, CUDA graphs on: in float32 speculative output equals the engine's own plain decoding token
+for token; in bf16 it may part only at numerical near-ties (checked against the float32 model's margin there)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from longspec import LongSpecDraft, LongSpecDrafter, PromptLookupDrafter, SpeculativeDecoder, StreamingSelfDrafter
+
+from ..conftest import requires_cuda
+from .tiny_targets import FAMILIES, assert_same_tokens, ragged_batch, tiny_target
+
+pytestmark = requires_cuda
+
+
+def _cuda_target(family: str, dtype=torch.bfloat16):
+    return copy.deepcopy(tiny_target(family)).to("cuda", dtype)  # the cached CPU model stays untouched
+
+
+def _assert_ties_only(got, want, mask, target_fp32, bound: float = 0.1) -> None:
+    """bf16 is lossless up to numerics: outputs may part only where the next token is a numerical near-tie. At the
+    first divergence, the float32 model's top-2 logit margin on the agreed prefix must be below ``bound``."""
+    if torch.equal(got, want):
+        return
+    b, t = (got != want).nonzero()[0].tolist()
+    S = mask.shape[1]
+    prefix = want[b:b + 1, :t]
+    attn = torch.cat([mask[b:b + 1], torch.ones(1, t - S, dtype=mask.dtype, device=mask.device)], dim=1)
+    with torch.no_grad():
+        logits = target_fp32(prefix, attention_mask=attn).logits[0, -1].float()
+    top2 = logits.topk(2).values
+    margin = float(top2[0] - top2[1])
+    assert margin < bound, f"row {b} column {t}: outputs differ where the fp32 top-2 margin is {margin:.3g}"
+
+
+def _drafters(target):
+    return {
+        "pld-tree": (PromptLookupDrafter(), (4, 4, 4)),
+        "pld-chain": (PromptLookupDrafter(), (1, 1, 1, 1, 1)),
+        "streaming": (StreamingSelfDrafter(sink=4, window=64), (2, 2, 2)),
+        "longspec": (LongSpecDrafter(LongSpecDraft.from_target(target)), (4, 8, 8)),
+    }
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_fp32_speculative_equals_plain_with_graphs(family):
+    """float32 on the GPU (IEEE dots in the Triton kernels): every path gives the same tokens, graphs on or off."""
+    target = _cuda_target(family, torch.float32)
+    ids, mask = ragged_batch([130, 63, 97], seed=3, period=17)
+    ids, mask = ids.cuda(), mask.cuda()
+    plain = SpeculativeDecoder(target, None, cuda_graphs=True).generate(ids, 40, attention_mask=mask).sequences
+    eager = SpeculativeDecoder(target, None, cuda_graphs=False).generate(ids, 40, attention_mask=mask).sequences
+    assert_same_tokens(plain, eager)
+    for name, (drafter, shape) in _drafters(target).items():
+        out = SpeculativeDecoder(target, drafter, tree_shape=shape, cuda_graphs=True).generate(
+            ids, 40, attention_mask=mask)
+        assert_same_tokens(out.sequences, plain)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_bf16_speculative_equals_plain_up_to_ties(family):
+    target = _cuda_target(family)
+    ref32 = _cuda_target(family, torch.float32)
+    ids, mask = ragged_batch([130, 63, 97], seed=3, period=17)
+    ids, mask = ids.cuda(), mask.cuda()
+    plain = SpeculativeDecoder(target, None, cuda_graphs=True).generate(ids, 40, attention_mask=mask).sequences
+    for name, (drafter, shape) in _drafters(target).items():
+        out = SpeculativeDecoder(target, drafter, tree_shape=shape, cuda_graphs=True).generate(
+            ids, 40, attention_mask=mask)
+        _assert_ties_only(out.sequences, plain, mask, ref32)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 20, 1.0), (1.0, 0, 0.9)])
+def test_fp32_seed_exact_sampling(temperature, top_k, top_p):
+    target = _cuda_target("llama-gqa-d64", torch.float32)
+    ids, mask = ragged_batch([90, 41], seed=5, period=13)
+    ids, mask = ids.cuda(), mask.cuda()
+    kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=1234, attention_mask=mask)
+    plain = SpeculativeDecoder(target, None, cuda_graphs=True).generate(ids, 48, **kw).sequences
+    spec = SpeculativeDecoder(target, PromptLookupDrafter(), tree_shape=(3, 3, 3), cuda_graphs=True).generate(
+        ids, 48, **kw).sequences
+    assert_same_tokens(spec, plain)
