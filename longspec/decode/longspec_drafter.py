@@ -1,0 +1,265 @@
+"""LongSpecDrafter: beam-tree drafting with a :class:`~longspec.model.draft.LongSpecDraft` in constant memory.
+
+**Window (exact definition).** A draft query at position t attends to the self-attention keys *on its own path*
+at positions ``t - W .. t`` (W = ``config.window``, 512 for the published drafts): W + 1 keys with itself once the
+context is long enough. This is flash-attn's ``window_size=(W, -1)`` applied along the path, which is what training
+saw. A depth-d tree node (position ``root + d``) thus sees the committed tokens at ``root + d - W .. root`` (root
+included) plus its ancestors and itself; the left edge depends on the node's depth, never on its index in a level.
+
+**Caches** (:class:`LongSpecDraftCache`), sized by batch, window and tree only, never by the context:
+
+* ``ring_k/ring_v [B, W+1, Hkv, D]``: post-RoPE self-attention K/V of the most recent committed tokens, position p
+  in slot ``p % (W+1)``. W + 1 slots are exactly what the root (whose window reaches back W) needs; older slots
+  are overwritten as the context grows. The keys carry RoPE, so no slot needs its position again.
+* ``win_k/win_v [B, W+1, Hkv, D]``: the ring re-read newest first (row j = position ``root - j``), once per round.
+  The attention ops see rows ``[0, len)`` of a cache, and in this order every query's window is such a prefix:
+  ``min(W + 1 - d, root + 1)`` rows at depth d. (A ring read in place would need a cyclic range per row.)
+* ``tree_k/tree_v [B, T-1, Hkv, D]``, ``tree_q [B, T-1, Hq, D]``, ``anc [B, T-1, T-1]``: the non-root nodes'
+  K/V and queries in level order, and their ancestor-or-self mask.
+
+**A round** (:meth:`LongSpecDrafter.propose`): (1) re-feed: the K/V of the tokens committed since the last call and
+of the new root (at most ``depth + 1`` of them; a fixed count, masked) go into the ring; only the root also needs a
+query, since a single block's K/V depend on nothing but (token, position). (2) The ring is read into the window.
+(3) Level 0 runs the root, levels 1..depth-1 run all nodes of the previous depth: self-attention =
+``prefix_attn`` over the window merged with ``tree_attn`` over the ancestors; cross-attention = ``draft_cross_attn``
+with ``q_pos = root + d`` and the target's committed length, so every node sees the target rows before the root.
+Each level keeps the global top-k (parent, token) pairs by cumulative log-probability. Leaves are never run.
+Everything is batched over rows with ragged lengths; there is no host synchronisation in the drafter itself.
+
+**Prefill** computes only what the ring needs: the self-attention K/V of each row's last W prompt tokens (a fixed
+``[B, W]`` projection), with no attention, cross-attention or MLP over the prompt.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, fields
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+import longspec_ops  # noqa: F401  (registers torch.ops.longspec)
+from longspec.model.draft import LongSpecDraft, check_target_compatible
+
+from .drafter import DecodeState, DraftTree, TreeSpec
+from .tree import expand_level
+
+
+@dataclass
+class LongSpecDraftCache:
+    """The drafter's state between calls; every tensor's size is independent of the context length.
+
+    ring_k, ring_v: ``[B, W+1, Hkv, D]`` committed K/V (post-RoPE), position p in slot ``p % (W+1)``.
+    ring_end:       int64 ``[B]`` one past the last position written to the ring.
+    win_k, win_v:   ``[B, W+1, Hkv, D]`` this round's window, newest first (row j = position ``root - j``).
+    tree_k, tree_v: ``[B, T-1, Hkv, D]`` K/V of the non-root nodes (node i in row i - 1).
+    tree_q:         ``[B, T-1, Hq, D]`` their self-attention queries (rows of earlier levels pad ``tree_attn``).
+    anc:            bool ``[B, T-1, T-1]`` node i - 1 sees node j - 1 (j is i or a non-root ancestor of i).
+    """
+
+    ring_k: Tensor
+    ring_v: Tensor
+    ring_end: Tensor
+    win_k: Tensor
+    win_v: Tensor
+    tree_k: Tensor
+    tree_v: Tensor
+    tree_q: Tensor
+    anc: Tensor
+
+    @classmethod
+    def allocate(cls, draft: LongSpecDraft, batch: int, tree: TreeSpec, device: torch.device) -> "LongSpecDraftCache":
+        c = draft.config
+        W1, T1, Hkv, Hq, D = c.window + 1, tree.num_nodes - 1, c.num_key_value_heads, c.num_attention_heads, c.head_dim
+        # Zeros, not empty: masked-out rows still enter the reference kernels as 0 * value, and garbage could be NaN.
+        kv = dict(dtype=draft.dtype, device=device)
+        return cls(
+            ring_k=torch.zeros(batch, W1, Hkv, D, **kv),
+            ring_v=torch.zeros(batch, W1, Hkv, D, **kv),
+            ring_end=torch.zeros(batch, dtype=torch.int64, device=device),
+            win_k=torch.zeros(batch, W1, Hkv, D, **kv),
+            win_v=torch.zeros(batch, W1, Hkv, D, **kv),
+            tree_k=torch.zeros(batch, T1, Hkv, D, **kv),
+            tree_v=torch.zeros(batch, T1, Hkv, D, **kv),
+            tree_q=torch.zeros(batch, T1, Hq, D, **kv),
+            anc=torch.zeros(batch, T1, T1, dtype=torch.bool, device=device),
+        )
+
+    def nbytes(self) -> int:
+        """Bytes held by the cache's tensors (the drafter's whole persistent device footprint)."""
+        return sum(getattr(self, f.name).nbytes for f in fields(self))
+
+
+class LongSpecDrafter:
+    """The :class:`~longspec.decode.drafter.Drafter` for a :class:`LongSpecDraft` (see the module docstring).
+
+    Example::
+
+        >>> draft = LongSpecDraft.from_pretrained("sail/longspec-Llama-3-8B-Instruct-262k", target=target)
+        >>> decoder = SpeculativeDecoder(target, LongSpecDrafter(draft), tree_shape=(4, 16, 16, 16, 16))
+    """
+
+    def __init__(self, draft: LongSpecDraft) -> None:
+        self.draft = draft
+        self.cache: Optional[LongSpecDraftCache] = None
+
+    @property
+    def vocab_size(self) -> int:
+        """The vocabulary drafted from (the target's LM head rows); the engine checks it against the target."""
+        return self.draft.vocab_size
+
+    # --- protocol ---------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def prefill(self, state: DecodeState, tree: TreeSpec) -> None:
+        """Check the target, allocate the caches and fill the ring with each row's last W prompt tokens' K/V."""
+        self._check(state, tree)
+        B = state.tokens.shape[0]
+        self.cache = LongSpecDraftCache.allocate(self.draft, B, tree, state.tokens.device)
+        W = self.draft.config.window
+        P = state.seqlens.to(torch.int64)
+        if W > 0:
+            pos = P[:, None] - W + torch.arange(W, device=P.device)  # [B, W]: the last W prompt positions
+            ids = state.tokens.gather(1, pos.clamp(0, state.tokens.shape[1] - 1))
+            self._write_ring(pos, ids, pos >= 0)
+        self.cache.ring_end.copy_(P)
+
+    @torch.no_grad()
+    def propose(self, state: DecodeState, tree: TreeSpec) -> DraftTree:
+        """Draft a ``tree.num_nodes``-node beam tree per row rooted at ``state.root`` (see the module docstring).
+
+        Requires ``prefill`` for this batch, and (the protocol's guarantee) at most ``tree.depth + 1`` tokens
+        committed since the previous call.
+        """
+        if self.cache is None or self.cache.ring_k.shape[0] != state.tokens.shape[0]:
+            raise RuntimeError("LongSpecDrafter.propose needs prefill() for this batch first")
+        if tree.num_nodes - 1 != self.cache.tree_k.shape[1]:
+            nodes = self.cache.tree_k.shape[1] + 1
+            raise ValueError(f"tree {tree.shape} differs from the tree given to prefill ({nodes} nodes)")
+        self._refeed(state, tree)
+        self._read_window(state.seqlens.to(torch.int64))
+        tokens, parents = [state.root[:, None]], [torch.full_like(state.root[:, None], -1)]
+        level, cum = state.root[:, None], torch.zeros(state.root.shape[0], 1, device=state.root.device)
+        for d in range(tree.depth):  # level d's nodes propose depth d + 1; the leaves (depth `tree.depth`) never run
+            logp = self._level_logp(state, tree, level, d)
+            parent, level, cum = expand_level(cum, logp, tree.shape[d])
+            parent = parent + tree.offsets[d]
+            if d + 1 < tree.depth:
+                self._extend_ancestors(tree, d + 1, parent)
+            tokens.append(level)
+            parents.append(parent)
+        return DraftTree(tokens=torch.cat(tokens, 1), parents=torch.cat(parents, 1))
+
+    # --- rounds -----------------------------------------------------------------------------------------------------
+
+    def _refeed(self, state: DecodeState, tree: TreeSpec) -> None:
+        """Write the K/V of positions ``[ring_end, root]`` into the ring: tokens committed since the last call + root.
+
+        A fixed count F of positions ending at the root, the older ones masked; F = min(depth + 1, W + 1) covers
+        the protocol's at most depth + 1 new tokens, and nothing older than W back is read again.
+        """
+        cache, W = self.cache, self.draft.config.window
+        r = state.seqlens.to(torch.int64)
+        F = min(tree.depth + 1, W + 1)
+        pos = r[:, None] - (F - 1) + torch.arange(F, device=r.device)  # [B, F], the root last
+        committed = state.tokens.gather(1, pos.clamp(0, state.tokens.shape[1] - 1))
+        ids = torch.where(pos == r[:, None], state.root[:, None], committed)
+        self._write_ring(pos, ids, (pos >= cache.ring_end[:, None]) & (pos >= 0))
+        cache.ring_end.copy_(r + 1)
+
+    def _write_ring(self, pos: Tensor, ids: Tensor, valid: Tensor) -> None:
+        """K/V of ``ids`` at positions ``pos`` (int64 ``[B, S]``, distinct slots per row) into the ring where valid."""
+        cache, draft = self.cache, self.draft
+        x = draft.embed(ids)
+        cos, sin = draft.rope(x, pos.clamp_min(0))
+        _, k, v = draft.self_qkv(x, cos, sin, need_q=False)
+        slot = pos.remainder(cache.ring_k.shape[1])
+        b = torch.arange(pos.shape[0], device=pos.device)[:, None].expand_as(slot)
+        keep = valid[:, :, None, None]
+        cache.ring_k[b, slot] = torch.where(keep, k, cache.ring_k[b, slot])
+        cache.ring_v[b, slot] = torch.where(keep, v, cache.ring_v[b, slot])
+
+    def _read_window(self, root_pos: Tensor) -> None:
+        """win[:, j] = ring[:, (root - j) % (W+1)]: the ring newest first, so each window is a prefix of rows."""
+        cache = self.cache
+        W1 = cache.ring_k.shape[1]
+        slot = (root_pos[:, None] - torch.arange(W1, device=root_pos.device)).remainder(W1)
+        idx = slot[:, :, None, None].expand_as(cache.win_k)
+        torch.gather(cache.ring_k, 1, idx, out=cache.win_k)
+        torch.gather(cache.ring_v, 1, idx, out=cache.win_v)
+
+    def _level_logp(self, state: DecodeState, tree: TreeSpec, level: Tensor, d: int) -> Tensor:
+        """Run the draft on level d's nodes (int64 ``[B, M]``, position root + d): log-probs float32 ``[B, M, V]``."""
+        draft, cache = self.draft, self.cache
+        r = state.seqlens.to(torch.int64)
+        pos = (r + d)[:, None].expand_as(level)
+        x = draft.embed(level)
+        cos, sin = draft.rope(x, pos)
+        q, k, v = draft.self_qkv(x, cos, sin)
+        # The committed part of the window: positions root + d - W .. root, capped by what exists.
+        lens = torch.clamp(r + 1, max=draft.config.window + 1 - d).clamp_min(0).to(torch.int32)
+        scale = draft.config.head_dim ** -0.5
+        self_out, lse = torch.ops.longspec.prefix_attn(q, cache.win_k, cache.win_v, lens, scale)
+        if d > 0:
+            lo, hi = tree.offsets[d] - 1, tree.offsets[d + 1] - 1  # this level's rows in the node scratch
+            cache.tree_k[:, lo:hi], cache.tree_v[:, lo:hi], cache.tree_q[:, lo:hi] = k, v, q
+            # tree_attn takes as many queries as keys: the earlier levels' stored queries pad the call.
+            tree_out, tree_lse = torch.ops.longspec.tree_attn(
+                cache.tree_q[:, :hi], cache.tree_k[:, :hi], cache.tree_v[:, :hi], cache.anc[:, :hi, :hi], scale
+            )
+            self_out, lse = torch.ops.longspec.merge_attn_states(self_out, lse, tree_out[:, lo:hi], tree_lse[:, :, lo:hi])
+        target_lens = state.seqlens.to(torch.int32)
+        L = state.target.config.get_text_config().num_hidden_layers
+        out = draft.finish(
+            x, self_out, cos, sin, state.cache.key(L - 1), state.cache.value(L - 1), pos.to(torch.int32), target_lens
+        )
+        return torch.log_softmax(draft.logits(out).float(), dim=-1)
+
+    def _extend_ancestors(self, tree: TreeSpec, d: int, parent: Tensor) -> None:
+        """Mask rows of the depth-d nodes: their parent's row (unless the root, which lives in the ring) plus self.
+
+        parent: int64 ``[B, M]`` node indices (depth d - 1). With W < d, ancestors more than W levels up fall out
+        of the window and are masked as well.
+        """
+        cache = self.cache
+        B, M = parent.shape
+        lo, hi = tree.offsets[d] - 1, tree.offsets[d + 1] - 1
+        T1 = cache.anc.shape[1]
+        rows = torch.gather(cache.anc, 1, (parent - 1).clamp_min(0)[:, :, None].expand(B, M, T1))
+        rows &= (parent > 0)[:, :, None]
+        cols = torch.arange(T1, device=parent.device)
+        rows |= cols[None, None, :] == (lo + torch.arange(M, device=parent.device))[None, :, None]
+        W = self.draft.config.window
+        if d > W:
+            depths = tree.depth_tensor(parent.device)[1:]
+            rows &= (depths >= d - W)[None, None, :]
+        cache.anc[:, lo:hi] = rows
+
+    # --- checks -----------------------------------------------------------------------------------------------------
+
+    def _check(self, state: DecodeState, tree: TreeSpec) -> None:
+        """The target must fit the draft (vocabulary, geometry, cache dtype) and the tree the vocabulary."""
+        draft = self.draft
+        check_target_compatible(draft.config, state.target)
+        if state.target is not draft.target:
+            warnings.warn(
+                "LongSpecDrafter: the decoded target is not the model the draft was built for; the draft keeps "
+                "using that model's embeddings, rotary embedding and LM head",
+                stacklevel=3,
+            )
+        L = state.target.config.get_text_config().num_hidden_layers
+        key = state.cache.key(L - 1)
+        c = draft.config
+        if key.shape[2:] != (c.num_key_value_heads, c.head_dim) or key.dtype != draft.dtype:
+            raise ValueError(
+                f"the target's last-layer cache is {key.dtype} [B, N, {key.shape[2]}, {key.shape[3]}], the draft "
+                f"needs {draft.dtype} [B, N, {c.num_key_value_heads}, {c.head_dim}]"
+            )
+        width, V = 1, draft.vocab_size
+        for d, k in enumerate(tree.shape, start=1):
+            if k > width * V:
+                raise ValueError(f"tree level {d} asks for {k} nodes but its parents offer only {width * V} choices")
+            width = k
+
+
+__all__ = ["LongSpecDraftCache", "LongSpecDrafter"]

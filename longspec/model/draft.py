@@ -1,0 +1,604 @@
+"""The LongSpec draft model: one decoder block that reads the target's last-layer KV cache.
+
+LongSpec (arXiv 2502.17421), as the authors' ``LlamaGlideDecoderLayer`` computes it::
+
+    x      = target.embed_tokens(ids)                      borrowed, not stored
+    h1     = x  + SA(N1(x))       causal self-attention, window W = 512: a query at position t sees keys t-W..t
+    h2     = h1 + CA(N2(h1))      queries RoPE'd at their own positions by the target's rotary module; keys and
+                                  values are the target's last-layer cache (keys already post-RoPE), rows < t
+    out    = h2 + MLP(N3(h2))     SwiGLU with the target's activation
+    logits = target.lm_head(out)  no final norm: the published weights were trained without one
+
+Six submodules carry the published names (20 tensors): ``input_layernorm``, ``self_attn``,
+``post_self_attention_layernorm``, ``cross_attn``, ``post_cross_attention_layernorm``, ``mlp``. q/k/v projections
+have biases, o_proj has none. ``cross_attn.k_proj``/``v_proj`` exist only so that published checkpoints load: the
+keys and values of the cross-attention are the target's, so they are never computed.
+
+The embeddings, rotary embedding and LM head belong to the target. The draft holds the target through a plain
+reference (not a submodule), so they appear in neither ``parameters()`` nor the state dict.
+
+Decoding does not call :meth:`LongSpecDraft.forward`: :class:`longspec.decode.longspec_drafter.LongSpecDrafter`
+composes the phase methods below (``embed``, ``rope``, ``self_qkv``, ``finish``, ``logits``) around its own
+constant-size caches. ``forward`` runs a whole sequence at once (training, tests).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from huggingface_hub.dataclasses import strict
+from torch import Tensor, nn
+from transformers import PreTrainedConfig, PreTrainedModel
+from transformers.activations import ACT2FN
+
+import longspec_ops  # noqa: F401  (registers torch.ops.longspec)
+from longspec.model.target import head_dim, num_kv_heads
+
+# The 20 tensors of a published checkpoint; every one is a parameter of LongSpecDraft under the same name.
+PUBLISHED_TENSOR_NAMES: tuple[str, ...] = tuple(
+    [f"{attn}.{p}_proj.{kind}" for attn in ("self_attn", "cross_attn") for p in "qkv" for kind in ("weight", "bias")]
+    + ["self_attn.o_proj.weight", "cross_attn.o_proj.weight"]
+    + [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+    + [f"{n}.weight" for n in ("input_layernorm", "post_self_attention_layernorm", "post_cross_attention_layernorm")]
+)
+
+_CONFIG_FIELDS = (
+    "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "hidden_act",
+    "rms_norm_eps", "initializer_range", "mlp_bias", "vocab_size",
+)  # fmt: skip
+
+
+@strict
+class LongSpecDraftConfig(PreTrainedConfig):
+    """Configuration of a :class:`LongSpecDraft`; the geometry fields mirror the target's config.
+
+    ``head_dim`` defaults to ``hidden_size // num_attention_heads`` (the published drafts' rule); ``window`` is the
+    self-attention window W (a query at position t sees keys at positions t-W..t, W + 1 keys with itself).
+    ``vocab_size`` is informational: it is checked against the target, whose embeddings and LM head are used.
+    """
+
+    model_type = "longspec_draft"
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int = 11008
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    initializer_range: float = 0.02
+    mlp_bias: bool = False
+    window: int = 512
+
+    def __post_init__(self, **kwargs):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        super().__post_init__(**kwargs)
+
+    def validate_architecture(self):
+        """Called by ``@strict``: the head geometry must be usable by the attention ops."""
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.window < 0:
+            raise ValueError(f"window must be >= 0, got {self.window}")
+
+    @classmethod
+    def from_target_config(cls, target_config: PreTrainedConfig, **overrides: Any) -> "LongSpecDraftConfig":
+        """The draft config for a target: its geometry, activation, eps and init range; ``overrides`` win.
+
+        head_dim is the target's (its cache is what the cross-attention reads), which equals
+        ``hidden_size // num_attention_heads`` for every published target.
+        """
+        text = target_config.get_text_config()
+        fields = {name: getattr(text, name) for name in _CONFIG_FIELDS if getattr(text, name, None) is not None}
+        fields["head_dim"] = head_dim(text)
+        fields.update(overrides)
+        return cls(**fields)
+
+    @classmethod
+    def from_checkpoint_json(cls, config_dict: dict, target_config: PreTrainedConfig) -> "LongSpecDraftConfig":
+        """Read a checkpoint's ``config.json``: ours (model_type ``longspec_draft``) or a published target-style one.
+
+        A target-style config (the published drafts ship the target's ``config.json``) contributes the fields the
+        authors' draft reads; head_dim is then ``hidden_size // num_attention_heads``, as in their code.
+        """
+        if config_dict.get("model_type") == cls.model_type:
+            return cls.from_dict(config_dict)
+        fields = {name: config_dict[name] for name in _CONFIG_FIELDS if config_dict.get(name) is not None}
+        missing = [n for n in ("hidden_size", "num_attention_heads") if n not in fields]
+        if missing:
+            raise ValueError(f"checkpoint config.json lacks {', '.join(missing)}")
+        fields.setdefault("num_key_value_heads", fields["num_attention_heads"])
+        fields["head_dim"] = fields["hidden_size"] // fields["num_attention_heads"]
+        fields.setdefault("vocab_size", target_config.get_text_config().vocab_size)
+        return cls(**fields)
+
+
+class LongSpecRMSNorm(nn.Module):
+    """RMSNorm as in Llama/Qwen2: normalise in float32, scale by ``weight`` in the input dtype."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        xf = x.to(torch.float32)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * xf.to(dtype)
+
+
+class LongSpecAttention(nn.Module):
+    """The projections of one attention sublayer (``GlideAttention``): q/k/v with bias, o_proj without.
+
+    Only projections live here; the attention itself runs on the ``longspec_ops`` kernels in the caller, which
+    knows where keys come from (the draft's ring, the tree scratch, or the target's cache).
+    """
+
+    def __init__(self, config: LongSpecDraftConfig) -> None:
+        super().__init__()
+        hq, hkv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = hq, hkv, d
+        self.q_proj = nn.Linear(config.hidden_size, hq * d, bias=True)
+        self.k_proj = nn.Linear(config.hidden_size, hkv * d, bias=True)
+        self.v_proj = nn.Linear(config.hidden_size, hkv * d, bias=True)
+        self.o_proj = nn.Linear(hq * d, config.hidden_size, bias=False)
+
+
+class LongSpecMLP(nn.Module):
+    """SwiGLU: ``down(act(gate(x)) * up(x))``."""
+
+    def __init__(self, config: LongSpecDraftConfig) -> None:
+        super().__init__()
+        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """``[-x2, x1]`` for the two halves of the last dim (the Llama/Qwen2 RoPE convention)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x ``[B, S, H, D]`` rotated by cos/sin ``[B, S, D]`` (broadcast over heads)."""
+    return x * cos[:, :, None, :] + rotate_half(x) * sin[:, :, None, :]
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None, causal: bool = False) -> Tensor:
+    """SDPA on flash-layout ``[B, S, H, D]`` tensors; kv heads are expanded to q's heads (GQA)."""
+    rep = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=causal)
+    return out.transpose(1, 2)
+
+
+def windowed_self_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, window: int) -> Tensor:
+    """Causal attention where query i sees key j <= i iff ``positions[i] - positions[j] <= window``.
+
+    q ``[B, S, Hq, D]``, k/v ``[B, S, Hkv, D]``, positions int64 ``[B, S]`` non-decreasing. Queries go in blocks of
+    C = window rows; since positions grow at least as fast as indices, block j only needs keys of blocks j-1 and j,
+    so each block's mask is ``[C, 2C]`` and memory stays linear in S.
+    """
+    B, S, Hq, D = q.shape
+    C = max(1, min(window, S))
+    nb = -(-S // C)
+    pad = nb * C - S
+
+    def blocks(t: Tensor, fill) -> Tensor:  # [B, S, ...] -> [B, nb, C, ...] after padding the end
+        return torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, pad), value=fill).unflatten(1, (nb, C))
+
+    def with_previous(t: Tensor) -> Tensor:  # [B, nb, C, ...] -> [B, nb, 2C, ...]: block j-1 then block j
+        prev = torch.cat([torch.zeros_like(t[:, :1]), t[:, :-1]], dim=1)
+        return torch.cat([prev, t], dim=2)
+
+    idx = blocks(torch.arange(S, device=q.device).expand(B, S), -1)
+    pos = blocks(positions, 0)
+    kidx, kpos = with_previous(idx), with_previous(pos)
+    kidx[:, 0, :C] = -1  # no block before the first
+    qi, ki = idx[:, :, :, None], kidx[:, :, None, :]
+    mask = (ki >= 0) & (ki <= qi) & (pos[:, :, :, None] - kpos[:, :, None, :] <= window)
+    mask |= (qi < 0) & (torch.arange(2 * C, device=q.device) == C + torch.arange(C, device=q.device)[:, None])
+    qb, kb, vb = blocks(q, 0.0), with_previous(blocks(k, 0.0)), with_previous(blocks(v, 0.0))
+    out = _sdpa(qb.flatten(0, 1), kb.flatten(0, 1), vb.flatten(0, 1), mask.flatten(0, 1)[:, None])
+    return out.unflatten(0, (B, nb)).flatten(1, 2)[:, :S]
+
+
+def shifted_cross_attention(q: Tensor, target_key: Tensor, target_value: Tensor, delta: int) -> Tensor:
+    """Query t of q ``[B, S, Hq, D]`` attends to target rows ``<= t - delta`` of ``[B, N, Hkv, D]``.
+
+    Flash noisy training's shift: queries from index delta on and the first S - delta target rows make a square
+    causal problem, one flash-style call with no mask; the first delta queries see nothing and output 0.
+    """
+    B, S, Hq, D = q.shape
+    if delta >= S:
+        return torch.zeros_like(q)
+    n = S - delta
+    out = _sdpa(q[:, delta:], target_key[:, :n].to(q.dtype), target_value[:, :n].to(q.dtype), causal=True)
+    return torch.cat([q.new_zeros(B, delta, Hq, D), out], dim=1)
+
+
+@dataclass(frozen=True)
+class _Borrowed:
+    """The target's modules the draft uses. A plain object, so nn.Module never registers, saves or moves them."""
+
+    target: nn.Module
+    embed_tokens: nn.Module
+    rotary_emb: nn.Module
+    lm_head: nn.Module
+
+
+def _borrow(target: nn.Module) -> _Borrowed:
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    rotary = getattr(getattr(target, "base_model", target), "rotary_emb", None)
+    if embed is None or head is None or rotary is None:
+        raise ValueError(
+            f"{type(target).__name__} must expose input embeddings, an LM head and a `rotary_emb` module on its base "
+            "model (as transformers' Llama/Qwen2/Mistral causal LMs do)"
+        )
+    return _Borrowed(target, embed, rotary, head)
+
+
+class LongSpecDraft(PreTrainedModel):
+    """The LongSpec draft block (module docstring); build it with :meth:`from_target` or :meth:`from_pretrained`.
+
+    Example::
+
+        >>> target = AutoModelForCausalLM.from_pretrained("gradientai/Llama-3-8B-Instruct-262k", dtype=torch.float16)
+        >>> draft = LongSpecDraft.from_pretrained("sail/longspec-Llama-3-8B-Instruct-262k", target=target)
+        >>> decoder = SpeculativeDecoder(target, LongSpecDrafter(draft), tree_shape=(4, 16, 16, 16, 16))
+    """
+
+    config_class = LongSpecDraftConfig
+    config: LongSpecDraftConfig
+    base_model_prefix = "model"  # the prefix a published checkpoint may carry ("model.self_attn....")
+    _no_split_modules = ["LongSpecAttention", "LongSpecMLP"]
+
+    def __init__(self, config: LongSpecDraftConfig) -> None:
+        super().__init__(config)
+        self.input_layernorm = LongSpecRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LongSpecAttention(config)
+        self.post_self_attention_layernorm = LongSpecRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.cross_attn = LongSpecAttention(config)
+        self.post_cross_attention_layernorm = LongSpecRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LongSpecMLP(config)
+        self._borrowed: Optional[_Borrowed] = None
+        self.post_init()
+
+    # --- the target ------------------------------------------------------------------------------------------------
+
+    @property
+    def target(self) -> nn.Module:
+        """The target model whose embeddings, rotary embedding, LM head and last-layer cache the draft uses."""
+        return self._require_target().target
+
+    def bind_target(self, target: nn.Module) -> "LongSpecDraft":
+        """Borrow ``target``'s embeddings, rotary embedding and LM head (no copies); checks the geometry first."""
+        check_target_compatible(self.config, target)
+        self._borrowed = _borrow(target)
+        return self
+
+    def _require_target(self) -> _Borrowed:
+        if self._borrowed is None:
+            raise RuntimeError("LongSpecDraft has no target: build it with from_target/from_pretrained or bind_target")
+        return self._borrowed
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the target's LM head: the vocabulary the draft proposes from."""
+        return self._require_target().lm_head.weight.shape[0]
+
+    # --- phase methods (shapes: B batch, S tokens, H hidden, Hq/Hkv heads, D head_dim) ------------------------------
+
+    def embed(self, ids: Tensor) -> Tensor:
+        """ids int64 ``[B, S]`` -> x ``[B, S, H]`` through the target's embeddings, in the draft's dtype."""
+        return self._require_target().embed_tokens(ids).to(self.dtype)
+
+    def rope(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos, sin ``[B, S, D]`` at absolute ``positions`` (int64 ``[B, S]``) from the target's rotary module.
+
+        The target's module carries its RoPE scaling (linear, dynamic, llama3, yarn ...), so draft and target
+        rotate identically.
+        """
+        cos, sin = self._require_target().rotary_emb(x, positions)
+        if cos.shape[-1] != self.config.head_dim:
+            raise ValueError(
+                f"the target's rotary embedding has dim {cos.shape[-1]}, the draft's head_dim is "
+                f"{self.config.head_dim}; "
+                "partial rotary embeddings are not supported"
+            )
+        return cos, sin
+
+    def self_qkv(
+        self, x: Tensor, cos: Tensor, sin: Tensor, need_q: bool = True
+    ) -> tuple[Optional[Tensor], Tensor, Tensor]:
+        """Self-attention projections of N1(x): q ``[B, S, Hq, D]`` (None unless need_q), k, v ``[B, S, Hkv, D]``.
+
+        q and k are rotated (post-RoPE), so cached keys never need their positions again.
+        """
+        B, S, _ = x.shape
+        attn, D = self.self_attn, self.config.head_dim
+        n = self.input_layernorm(x)
+        k = apply_rope(attn.k_proj(n).view(B, S, attn.num_kv_heads, D), cos, sin)
+        v = attn.v_proj(n).view(B, S, attn.num_kv_heads, D)
+        q = apply_rope(attn.q_proj(n).view(B, S, attn.num_heads, D), cos, sin) if need_q else None
+        return q, k, v
+
+    def finish(
+        self,
+        x: Tensor,
+        self_out: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        target_key: Tensor,
+        target_value: Tensor,
+        q_pos: Tensor,
+        target_lens: Tensor,
+    ) -> Tensor:
+        """The rest of the block after self-attention: residual, cross-attention, MLP. Returns out ``[B, S, H]``.
+
+        Args:
+            x: ``[B, S, H]`` block input; self_out: ``[B, S, Hq, D]`` self-attention output (before o_proj).
+            cos, sin: ``[B, S, D]`` RoPE at the tokens' positions (the cross queries are rotated there too).
+            target_key, target_value: ``[B, N, Hkv, D]`` the target's last-layer cache (keys post-RoPE).
+            q_pos: int32 ``[B, S]`` and target_lens: int32 ``[B]``: query i sees target rows
+                ``[0, min(q_pos[b, i], target_lens[b]))`` (see :func:`longspec_ops.draft_cross_attn`).
+        """
+        h1 = self.after_self_attention(x, self_out)
+        q = self.cross_query(h1, cos, sin)
+        cross, _ = torch.ops.longspec.draft_cross_attn(q, target_key, target_value, q_pos, target_lens,
+                                                        self.config.head_dim ** -0.5)
+        return self.after_cross_attention(h1, cross)
+
+    def after_self_attention(self, x: Tensor, self_out: Tensor) -> Tensor:
+        """h1 = x + o_proj(self_out): x ``[B, S, H]``, self_out ``[B, S, Hq, D]``."""
+        B, S, _ = x.shape
+        return x + self.self_attn.o_proj(self_out.reshape(B, S, -1))
+
+    def cross_query(self, h1: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Cross-attention queries ``[B, S, Hq, D]``, rotated at the tokens' own positions.
+
+        ``cross_attn.k_proj`` / ``v_proj`` are dead weights: keys and values are the target's own cache rows.
+        """
+        B, S, _ = h1.shape
+        ca = self.cross_attn
+        return apply_rope(ca.q_proj(self.post_self_attention_layernorm(h1)).view(B, S, ca.num_heads, ca.head_dim),
+                          cos, sin)
+
+    def after_cross_attention(self, h1: Tensor, cross: Tensor) -> Tensor:
+        """out = h2 + MLP(N3(h2)) with h2 = h1 + o_proj(cross); cross ``[B, S, Hq, D]``."""
+        B, S, _ = h1.shape
+        h2 = h1 + self.cross_attn.o_proj(cross.reshape(B, S, -1))
+        return h2 + self.mlp(self.post_cross_attention_layernorm(h2))
+
+    def logits(self, out: Tensor) -> Tensor:
+        """out ``[B, S, H]`` -> logits ``[B, S, V]`` through the target's LM head, with no final norm."""
+        head = self._require_target().lm_head
+        return head(out.to(head.weight.dtype))
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        target_key: Tensor,
+        target_value: Tensor,
+        position_ids: Optional[Tensor] = None,
+        delta: int = 1,
+    ) -> Tensor:
+        """Run the block on whole sequences with differentiable attention (training; decoding uses
+        ``LongSpecDrafter``). Returns the block output ``[B, S, H]``; :meth:`logits` maps it to the vocabulary.
+
+        Args:
+            input_ids: int64 ``[B, S]``; position_ids: int64 ``[B, S]`` RoPE positions (default ``arange(S)``),
+                non-decreasing (anchor-offset positions jump once).
+            target_key, target_value: ``[B, N, Hkv, D]`` the target's last-layer K/V of the same tokens (token j at
+                row j), N >= S - delta.
+            delta: flash noisy training: the token at index t sees target rows ``<= t - delta`` (1 at inference for
+                a re-fed token; a depth-d tree node reads rows d + 1 back).
+
+        Self-attention is causal over the sequence with the window taken on positions: token i sees token j <= i
+        iff ``position_ids[i] - position_ids[j] <= window``, as at inference, where the window holds the tokens at
+        the W positions before the query. Cross-attention is one causal flash-style call on shifted inputs (queries
+        from index delta on, target rows up to S - delta): no dense mask.
+        """
+        B, S = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
+        if delta < 1:
+            raise ValueError(f"delta must be >= 1, got {delta}")
+        if target_key.shape[1] < S - delta:
+            raise ValueError(f"target_key holds {target_key.shape[1]} rows; {S} tokens at delta {delta} need "
+                             f"{S - delta}")
+        x = self.embed(input_ids)
+        cos, sin = self.rope(x, position_ids)
+        q, k, v = self.self_qkv(x, cos, sin)
+        h1 = self.after_self_attention(x, windowed_self_attention(q, k, v, position_ids, self.config.window))
+        cross = shifted_cross_attention(self.cross_query(h1, cos, sin), target_key, target_value, delta)
+        return self.after_cross_attention(h1, cross)
+
+    # --- construction, loading, saving ------------------------------------------------------------------------------
+
+    @classmethod
+    def from_target(cls, target: nn.Module, **config_overrides: Any) -> "LongSpecDraft":
+        """A freshly initialised draft for ``target`` (its geometry, dtype and device), bound to it."""
+        config = LongSpecDraftConfig.from_target_config(target.config, **config_overrides)
+        draft = cls(config)
+        ref = next(target.parameters())
+        draft.to(device=ref.device, dtype=ref.dtype)
+        return draft.eval().bind_target(target)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        pretrained_model_name_or_path: str | os.PathLike,
+        *,
+        target: nn.Module,
+        dtype: Optional[torch.dtype] = None,
+        device: Optional[torch.device | str] = None,
+    ) -> "LongSpecDraft":
+        """Load a draft checkpoint for ``target``.
+
+        ``pretrained_model_name_or_path`` is a directory (a published draft: the target-style ``config.json`` plus
+        safetensors or ``.bin``/``.pth`` weights; or what :meth:`save_pretrained` wrote), a single weights file
+        (``.safetensors``, or a raw ``.pth``/``.pt``/``.bin`` state dict, read with ``weights_only=True``), or a Hub
+        repository id. Tensor names carry no prefix or a ``model.`` prefix. Without a ``config.json`` the geometry
+        is the target's. dtype and device default to the target's.
+
+        Raises:
+            ValueError: missing or unexpected tensors (named), a tensor shape that does not fit the geometry, or a
+                checkpoint whose vocabulary/hidden size/heads differ from the target's.
+        """
+        path = _resolve(pretrained_model_name_or_path)
+        config_file = (path if path.is_dir() else path.parent) / "config.json"
+        if config_file.is_file():
+            config = LongSpecDraftConfig.from_checkpoint_json(json.loads(config_file.read_text()), target.config)
+        else:
+            config = LongSpecDraftConfig.from_target_config(target.config)
+        check_target_compatible(config, target)
+        state = _strip_prefix(_read_state_dict(path))
+        ref = next(target.parameters())
+        with torch.device("meta"):
+            draft = cls(config)
+        _check_state_dict(draft, state)
+        dtype, device = dtype or ref.dtype, device or ref.device
+        state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
+        draft.load_state_dict(state, strict=True, assign=True)
+        return draft.eval().bind_target(target)
+
+    # save_pretrained is transformers': config.json (LongSpecDraftConfig) + model.safetensors with the 20 names, no
+    # prefix (the borrowed target is not a submodule, so it is not saved); from_pretrained reads it back.
+
+
+# --- loading helpers --------------------------------------------------------------------------------------------------
+
+_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "draft_model_weights.pth")
+
+
+def _resolve(name_or_path: str | os.PathLike) -> Path:
+    """A local path as is; otherwise a Hub repository id, fetched with huggingface_hub (config and weights only)."""
+    path = Path(name_or_path)
+    if path.exists():
+        return path
+    if os.path.isabs(str(name_or_path)) or str(name_or_path).count("/") != 1:
+        raise FileNotFoundError(f"no draft checkpoint at {name_or_path}")
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.bin", "*.pth", "*.pt"]
+    return Path(snapshot_download(str(name_or_path), allow_patterns=patterns))
+
+
+def _weight_files(path: Path) -> list[Path]:
+    """The weight files of a checkpoint directory (a sharded safetensors index included), or the file itself."""
+    if path.is_file():
+        return [path]
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / s for s in shards]
+    for name in _WEIGHT_FILES:
+        if (path / name).is_file():
+            return [path / name]
+    found = sorted(path.glob("*.safetensors"))
+    found = found or sorted(p for ext in ("pth", "pt", "bin") for p in path.glob(f"*.{ext}"))
+    if not found:
+        raise FileNotFoundError(f"no weights (*.safetensors, *.bin, *.pth, *.pt) in {path}")
+    return found
+
+
+def _read_state_dict(path: Path) -> dict[str, Tensor]:
+    """Every tensor of the checkpoint, on CPU. Pickled files load with ``weights_only=True``: tensors only."""
+    from safetensors.torch import load_file
+
+    state: dict[str, Tensor] = {}
+    for file in _weight_files(path):
+        if file.suffix == ".safetensors":
+            part = load_file(str(file), device="cpu")
+        else:
+            part = torch.load(file, map_location="cpu", weights_only=True)
+            if not isinstance(part, dict) or not all(isinstance(t, Tensor) for t in part.values()):
+                raise ValueError(f"{file} is not a state dict of tensors")
+        state.update(part)
+    return state
+
+
+def _strip_prefix(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Drop the ``model.`` prefix transformers adds for a base model; the same name twice is an error."""
+    out: dict[str, Tensor] = {}
+    for name, t in state.items():
+        bare = name[len("model."):] if name.startswith("model.") else name
+        if bare in out:
+            raise ValueError(f"checkpoint holds {bare!r} both with and without the 'model.' prefix")
+        out[bare] = t
+    return out
+
+
+def _check_state_dict(draft: LongSpecDraft, state: dict[str, Tensor]) -> None:
+    """Every expected tensor present, nothing else, and every shape as the geometry requires."""
+    expected = {name: tuple(p.shape) for name, p in draft.state_dict().items()}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        parts = ([f"missing tensors: {', '.join(missing)}"] if missing else []) + (
+            [f"unexpected tensors: {', '.join(unexpected)}"] if unexpected else []
+        )
+        raise ValueError("draft checkpoint does not match LongSpecDraft: " + "; ".join(parts))
+    c = draft.config
+    geometry = (
+        f"hidden {c.hidden_size}, heads {c.num_attention_heads}/{c.num_key_value_heads}, head_dim {c.head_dim}, "
+        f"intermediate {c.intermediate_size}"
+    )
+    for name, shape in expected.items():
+        if tuple(state[name].shape) != shape:
+            raise ValueError(
+                f"draft checkpoint tensor {name} has shape {tuple(state[name].shape)}, expected {shape} ({geometry})"
+            )
+
+
+def check_target_compatible(config: LongSpecDraftConfig, target: nn.Module) -> None:
+    """Raise ValueError unless the draft's geometry and vocabulary match ``target``'s.
+
+    The cross-attention reads the target's cache (heads, head_dim), the input is the target's embeddings (hidden
+    size) and the output its LM head (vocabulary).
+    """
+    text = target.config.get_text_config()
+    pairs = (
+        ("hidden_size", config.hidden_size, text.hidden_size),
+        ("num_attention_heads", config.num_attention_heads, text.num_attention_heads),
+        ("num_key_value_heads", config.num_key_value_heads, num_kv_heads(text)),
+        ("head_dim", config.head_dim, head_dim(text)),
+        ("vocab_size", config.vocab_size, text.vocab_size),
+    )
+    for name, mine, theirs in pairs:
+        if mine != theirs:
+            raise ValueError(f"draft {name} ({mine}) does not match the target's {name} ({theirs})")
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    for what, module in (("input embeddings", embed), ("LM head", head)):
+        if module is not None and module.weight.shape[0] != config.vocab_size:
+            raise ValueError(
+                f"the target's {what} have {module.weight.shape[0]} rows, the draft's vocabulary is {config.vocab_size}"
+            )
+        if module is not None and module.weight.shape[1] != config.hidden_size:
+            raise ValueError(
+                f"the target's {what} have width {module.weight.shape[1]}, the draft's hidden size is "
+                f"{config.hidden_size}"
+            )
+
+
+__all__ = ["LongSpecDraft", "LongSpecDraftConfig", "PUBLISHED_TENSOR_NAMES", "check_target_compatible"]
