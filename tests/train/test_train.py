@@ -1,0 +1,250 @@
+"""Draft training on CPU: data, anchor-offset positions, flash-noisy visibility, the loop, resume, distributed."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from longspec.model.draft import LongSpecDraft, shifted_cross_attention, windowed_self_attention
+from longspec.train.data import DataConfig, PackedStream
+from longspec.train.loss import chunked_lm_loss
+from longspec.train.positions import anchor_offset_positions
+from longspec.train.trainer import Parallel, TrainConfig, train
+
+VOCAB = 64
+
+
+class CharTokenizer:
+    """Characters to ids 2..63 (1 is EOS): a real, deterministic tokenizer small enough for a CPU test."""
+
+    eos_token_id = 1
+
+    def __len__(self) -> int:
+        return VOCAB
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [2 + (ord(c) % (VOCAB - 2)) for c in text]}
+
+
+def tiny_target(max_pos: int = 4096, seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos)
+    return LlamaForCausalLM(cfg)
+
+
+def write_corpus(path, n=300, field="text"):
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({field: f"def f{i % 7}(x):\n    return x * {i % 5} + {i % 3}\n"}) + "\n")
+    return str(path)
+
+
+def config(tmp_path, **over):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    data = DataConfig(paths=[write_corpus(tmp_path / "corpus.jsonl")], seq_len=96)
+    base = dict(data=data, out_dir=str(tmp_path / "out"), steps=6, batch_size=2, lr=3e-3, save_every=3,
+                log_every=1, progress=False, seed=1)
+    base.update(over)
+    return TrainConfig(**base)
+
+
+# --- data -------------------------------------------------------------------------------------------------------
+
+
+def test_packing_streams_every_format(tmp_path):
+    (tmp_path / "a.txt").write_text("hello world\n" * 40)
+    write_corpus(tmp_path / "b.jsonl", n=5, field="body")
+    cfg = DataConfig(paths=[str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl")], field="body", seq_len=32)
+    tok = CharTokenizer()
+    seqs = []
+    it = PackedStream(cfg, tok).iter_from(0)
+    for _ in range(20):
+        seqs.append(next(it))
+    flat = torch.cat(seqs).tolist()
+    want = tok("hello world\n" * 40)["input_ids"] + [1]
+    assert flat[: len(want)] == want  # documents are concatenated with EOS in order
+    assert all(s.shape == (32,) for s in seqs)
+    # two ranks split the same stream: sequence i goes to rank i % 2, and resuming skips exactly
+    r0 = PackedStream(cfg, tok, rank=0, world_size=2).iter_from(0)
+    r1 = PackedStream(cfg, tok, rank=1, world_size=2).iter_from(1)
+    assert torch.equal(next(r0), seqs[0]) and torch.equal(next(r1), seqs[3])
+
+
+def test_parquet(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"content": ["abc" * 20, "xyz" * 20]}), tmp_path / "d.parquet")
+    it = PackedStream(DataConfig(paths=[str(tmp_path / "d.parquet")], field="content", seq_len=16),
+                      CharTokenizer()).iter_from(0)
+    assert next(it).tolist() == CharTokenizer()("abc" * 6)["input_ids"][:16]
+
+
+def test_missing_field_and_missing_file(tmp_path):
+    write_corpus(tmp_path / "c.jsonl", n=3)
+    with pytest.raises(KeyError, match=r"c.jsonl:1: record has no field 'code'"):
+        next(PackedStream(DataConfig(paths=[str(tmp_path / "c.jsonl")], field="code"), CharTokenizer()).iter_from(0))
+    with pytest.raises(FileNotFoundError, match="matches no file"):
+        PackedStream(DataConfig(paths=[str(tmp_path / "none*.jsonl")]), CharTokenizer())
+
+
+# --- anchor-offset positions and flash-noisy visibility ----------------------------------------------------------
+
+
+def test_anchor_offset_positions():
+    g = torch.Generator().manual_seed(0)
+    sinks, offsets = set(), []
+    for _ in range(200):
+        pos = anchor_offset_positions(100, 4096, g)
+        jumps = (pos.diff() != 1).nonzero().flatten()
+        assert len(jumps) <= 1 and pos.max() < 4096 and pos.min() == 0 or pos[0] > 0
+        sink = int(jumps[0]) + 1 if len(jumps) else (0 if pos[0] > 0 else 100)
+        if sink < 100:
+            assert pos[:sink].tolist() == list(range(sink))
+            assert (pos[sink:].diff() == 1).all()
+        sinks.add(sink if pos[0] == 0 else 0)
+        offsets.append(int(pos[-1]) - 99)
+    assert sinks <= {0, 1, 2, 3, 4, 100} and {0, 1, 2, 3, 4} <= sinks | {100}
+    assert max(offsets) > 3000  # offsets span the target's range
+    assert anchor_offset_positions(100, 4096, g, enabled=False).tolist() == list(range(100))
+    with pytest.raises(ValueError, match=r"seq_len \(5000\) exceeds the target's max_position_embeddings \(4096\)"):
+        anchor_offset_positions(5000, 4096, g)
+
+
+def _dense(q, k, v, visible):
+    rep = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
+    s = torch.einsum("bihd,bjhd->bhij", q.double(), k.double()) / q.shape[-1] ** 0.5
+    s = s.masked_fill(~visible[:, None], float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    return torch.einsum("bhij,bjhd->bihd", p, v.double())
+
+
+@pytest.mark.parametrize("delta", [1, 2, 5])
+def test_flash_noisy_shift_equals_dense_mask(delta):
+    g = torch.Generator().manual_seed(delta)
+    B, S, Hq, Hkv, D = 2, 23, 4, 2, 8
+    q = torch.randn(B, S, Hq, D, generator=g, dtype=torch.float64)
+    k, v = torch.randn(B, S, Hkv, D, generator=g, dtype=torch.float64), torch.randn(B, S, Hkv, D, generator=g,
+                                                                                     dtype=torch.float64)
+    t = torch.arange(S)
+    visible = (t[None, :] <= t[:, None] - delta)[None].expand(B, S, S)  # query t sees rows <= t - delta
+    torch.testing.assert_close(shifted_cross_attention(q, k, v, delta), _dense(q, k, v, visible))
+
+
+def test_windowed_self_attention_equals_dense_mask_with_anchor_offset():
+    g = torch.Generator().manual_seed(3)
+    B, S, Hq, Hkv, D, W = 2, 37, 4, 2, 8, 6
+    q = torch.randn(B, S, Hq, D, generator=g, dtype=torch.float64)
+    k, v = torch.randn(B, S, Hkv, D, generator=g, dtype=torch.float64), torch.randn(B, S, Hkv, D, generator=g,
+                                                                                     dtype=torch.float64)
+    pos = torch.arange(S).clone()
+    pos[3:] += 1000  # 3 anchors, then an offset: anchors fall out of the window
+    pos = pos.expand(B, S)
+    i = torch.arange(S)
+    visible = (i[None, :] <= i[:, None]) & (pos[0][:, None] - pos[0][None, :] <= W)
+    torch.testing.assert_close(windowed_self_attention(q, k, v, pos, W), _dense(q, k, v, visible[None].expand(B, S, S)))
+
+
+def test_chunked_loss_matches_full_cross_entropy():
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(37, 16, generator=g, requires_grad=True)
+    w = torch.randn(50, 16, generator=g)
+    labels = torch.randint(0, 50, (37,), generator=g)
+    labels[3] = -100
+    loss, n = chunked_lm_loss(h, w, labels, chunk=8)
+    loss.backward()
+    grad = h.grad.clone()
+    h.grad = None
+    ref = torch.nn.functional.cross_entropy(h @ w.t(), labels, reduction="sum")
+    ref.backward()
+    assert n == 36
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(grad, h.grad)
+
+
+# --- the loop ---------------------------------------------------------------------------------------------------
+
+
+def test_loss_falls_and_checkpoint_loads(tmp_path):
+    target = tiny_target()
+    hist = train(config(tmp_path, steps=30, save_every=30), target, CharTokenizer())
+    first, last = sum(h["loss"] for h in hist[:3]) / 3, sum(h["loss"] for h in hist[-3:]) / 3
+    assert last < first - 0.5, (first, last)
+    draft = LongSpecDraft.from_pretrained(tmp_path / "out" / "checkpoint-30", target=target)
+    assert set(draft.state_dict()) == set(LongSpecDraft.from_target(target).state_dict())
+    rows = [json.loads(line) for line in (tmp_path / "out" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 31))
+
+
+def test_resume_reproduces_the_next_steps(tmp_path):
+    """An interrupted run (only checkpoint-3 survives) resumes into exactly the losses of the uninterrupted one."""
+    full = train(config(tmp_path / "a", steps=6, save_every=3), tiny_target(), CharTokenizer())
+    out = tmp_path / "b" / "out"
+    out.mkdir(parents=True)
+    shutil.copytree(tmp_path / "a" / "out" / "checkpoint-3", out / "checkpoint-3")
+    (out / "latest").write_text("checkpoint-3")
+    resumed = train(config(tmp_path / "b", steps=6, save_every=3), tiny_target(), CharTokenizer())
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    for a, b in zip(full[3:], resumed):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=1e-7)
+
+
+def test_kl_distillation_term_runs(tmp_path):
+    hist = train(config(tmp_path, steps=2, kl_weight=0.5), tiny_target(), CharTokenizer())
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in hist)
+
+
+def test_bad_configuration(tmp_path):
+    with pytest.raises(ValueError, match=r"data.seq_len \(96\) is longer than the target supports"):
+        train(config(tmp_path), tiny_target(max_pos=64), CharTokenizer())
+
+    class BigTokenizer(CharTokenizer):
+        def __len__(self):
+            return VOCAB + 10
+
+    with pytest.raises(ValueError, match="the tokenizer has 74 tokens but the target's LM head has 64 rows"):
+        train(config(tmp_path), tiny_target(), BigTokenizer())
+    cfg = config(tmp_path)
+    cfg.data.field = "code"
+    with pytest.raises(KeyError, match="record has no field 'code'"):
+        train(cfg, tiny_target(), CharTokenizer())
+
+
+# --- two processes over gloo -------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, cfg, result):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    try:
+        hist = train(cfg, tiny_target(), CharTokenizer())
+        result[rank] = [h["loss"] for h in hist]
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("parallel", [Parallel.DDP, Parallel.FSDP])
+def test_two_process_gloo(tmp_path, parallel):
+    cfg = config(tmp_path, steps=3, save_every=3, parallel=parallel)
+    with mp.Manager() as m:
+        result = m.dict()
+        mp.spawn(_worker, args=(2, _free_port(), cfg, result), nprocs=2, join=True)
+        losses = dict(result)
+    assert losses[0] == losses[1]  # the logged loss is averaged across ranks
+    draft = LongSpecDraft.from_pretrained(tmp_path / "out" / "checkpoint-3", target=tiny_target())
+    assert all(torch.isfinite(p).all() for p in draft.parameters())
