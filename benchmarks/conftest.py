@@ -31,11 +31,13 @@ def environment() -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                             cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        sha = os.environ.get("LONGSPEC_GIT_SHA", "unknown")
+    sha = os.environ.get("LONGSPEC_GIT_SHA")  # set by benchmarks/run_gpu.sh callers: the device copy has no .git
+    if not sha:
+        try:
+            sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                                 cwd=Path(__file__).parent).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            sha = "unknown"
     import longspec_ops
 
     return {
@@ -63,7 +65,8 @@ def record():
     """record(suite, row_dict, meta=None): collect one result row; written at session end."""
 
     def _record(suite: str, row: dict, meta: dict | None = None) -> None:
-        _RESULTS[suite].append(row)
+        if row:
+            _RESULTS[suite].append(row)
         if meta:
             _META.setdefault(suite, {}).update(meta)
 
@@ -85,6 +88,7 @@ def _markdown(suite: str, rows: list[dict], env: dict, meta: dict) -> str:
 def pytest_sessionfinish(session, exitstatus):
     if not _RESULTS:
         return
+
     env = environment()
     d = out_dir()
     d.mkdir(parents=True, exist_ok=True)

@@ -5,17 +5,28 @@ set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 LONGSPEC_BENCH_OUT="$OUT"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/env.txt"
-python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/env.txt"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
+python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
 start=$(date +%s)
-LONGSPEC_BUILD_EXT=1 LONGSPEC_CUDA_ARCHS=9.0 MAX_JOBS=16 pip install -e . --no-build-isolation --no-deps -q \
+LONGSPEC_BUILD_EXT=1 LONGSPEC_CUDA_ARCHS=9.0 MAX_JOBS=16 python3 -m pip install -e . --no-build-isolation --no-deps -q \
   > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - start )) s"; grep -i "longspec build" "$OUT/build.log" | head -3
 python3 -c "import longspec_ops; print('has_cuda_kernels', longspec_ops.has_cuda_kernels())"
-python3 -m pytest -q -x tests/ops ${1:+-k "$1"} -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/tests.log"
-echo "tests done at $(( $(date +%s) - start )) s"
+timeout 300 python3 -m pytest -q --timeout 120 tests/ops ${1:+-k "$1"} -p no:cacheprovider > "$OUT/tests.log" 2>&1
+grep -E "passed|failed|Fatal|Segmentation|Error" "$OUT/tests.log" | head -20
+echo "op tests done at $(( $(date +%s) - start )) s"
+timeout 200 python3 -m pytest -q tests/decode/test_gpu_decoder.py tests/model -p no:cacheprovider > "$OUT/tests_decode.log" 2>&1
+grep -E "passed|failed|Error|first divergence" "$OUT/tests_decode.log" | head -20
+echo "decode tests done at $(( $(date +%s) - start )) s"
+if [ "${SWEEP:-0}" = 1 ]; then
+  timeout 300 python3 -m benchmarks.sweep_attention --quick --out "$OUT" 2>&1 | tee "$OUT/sweep.log" | grep -v "^\s*$" | head -80
+fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
-  python3 -m pytest -q benchmarks/test_attention.py --benchmark-enable -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/bench.log"
+  timeout 240 python3 -m pytest -q --tb=short benchmarks/test_attention.py --benchmark-enable -p no:cacheprovider > "$OUT/bench.log" 2>&1; grep -E "^E |passed|failed" "$OUT/bench.log" | head -12
   cat "$OUT/attention.md" 2>/dev/null
+fi
+if [ "${E2E:-1}" = 1 ]; then
+  timeout 200 python3 -m benchmarks.bench_decode --context 8192 --out "$OUT" 2>&1 | tail -12
+  [ "${TRAIN:-1}" = 1 ] && timeout 120 python3 -m benchmarks.bench_train --steps 30 --out "$OUT" 2>&1 | tail -3
 fi
 echo "total $(( $(date +%s) - start )) s"
