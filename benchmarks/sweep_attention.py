@@ -24,11 +24,11 @@ from longspec_ops.kernels import attention as K
 
 def _configs(case: str, quick: bool):
     if case == "tree":
-        grid = itertools.product([64, 128], [64, 128], [4, 8], [2, 3], [None, 2048, 4096, 8192])
+        grid = itertools.product([64, 128], [32, 64, 128], [4, 8], [2, 3, 4], [None] if quick else [None, 4096])
     else:
         grid = itertools.product([16], [64, 128], [4], [2, 3, 4], [None, 256, 512, 1024, 2048])
     for bm, bn, w, st, sr in grid:
-        if quick and st == 2:
+        if case == "decode" and quick and st == 2:
             continue
         yield K.AttnConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st, split_rows=sr)
 
@@ -80,11 +80,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--cases", default="tree-32768,decode-32768,tree-131072,decode-131072,tree-8192")
     args = ap.parse_args()
     timer = Timer(reps=30, warmup=3)
     results = {}
-    for case, N in [("tree", 32768), ("decode", 32768), ("tree", 131072), ("decode", 131072), ("tree", 8192)]:
-        results[f"{case}-{N}"] = sweep(case, N, timer, args.quick)
+    for spec in args.cases.split(","):
+        case, N = spec.split("-")
+        results[spec] = sweep(case, int(N), timer, args.quick)
     with open(os.path.join(args.out, "sweep.json"), "w") as f:
         json.dump(results, f, indent=1)
     prof = eager_profile()

@@ -167,9 +167,16 @@ def _out(res):
 
 def _run_case(record, benchmark, peaks, method, N, M, build):
     c = Case(N, M)
-    fn = build(c)
     want = _out((longspec_hybrid if M > 1 else longspec_decode)(c)())
-    got = _out(fn())
+    try:
+        fn = build(c)
+        got = _out(fn())
+    except Exception as e:  # a baseline that cannot run here (e.g. FlexAttention failing to compile) is recorded
+        if method.startswith("longspec"):
+            raise
+        record("attention", {"suite": "tree" if M > 1 else "decode", "method": method, "N": N, "M": M,
+                             "error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"})
+        pytest.skip(f"{method} failed here: {type(e).__name__}")
     err = (got.float() - want.float()).abs().max().item()
     assert err < 2e-2, f"{method} disagrees with longspec at N={N}: max abs diff {err}"
     timer = Timer()
