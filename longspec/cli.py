@@ -1,4 +1,4 @@
-"""The ``longspec`` command line: ``longspec generate ...`` (``train`` and ``demo`` are added as subcommands later).
+"""The ``longspec`` command line: ``longspec generate | train | demo``.
 
 Each subcommand registers itself in :func:`build_parser` with an ``add_<name>_parser`` function and a ``run``
 callable taking the parsed arguments and returning an exit code.
@@ -23,6 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="longspec", description="Long-context lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_generate_parser(sub)
+    add_train_parser(sub)
+    add_demo_parser(sub)
     return parser
 
 
@@ -152,6 +154,84 @@ class _TextStreamer:
         sys.stdout.write(text[self.printed:])
         sys.stdout.flush()
         self.printed = len(text)
+
+
+# -- train ----------------------------------------------------------------------------------------------------------
+
+
+def add_train_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train a LongSpec draft for a local target (torchrun for several GPUs)",
+                       description="Train a LongSpec draft; checkpoints load with LongSpecDraft.from_pretrained. "
+                                   "Launch with torchrun --nproc-per-node K for K ranks.")
+    p.add_argument("--target", required=True, help="local directory of the target model and tokenizer")
+    p.add_argument("--data", required=True, nargs="+", help="jsonl / text / parquet files or globs (hf:NAME too)")
+    p.add_argument("--field", default="text", help="text field of jsonl records / parquet columns")
+    p.add_argument("--out", required=True, help="output directory (checkpoints, log.jsonl); resumed if present")
+    p.add_argument("--draft-init", default=None, help="start from this draft checkpoint instead of a fresh one")
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--batch-size", type=int, default=1, help="sequences per rank per micro-batch")
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--kl-weight", type=float, default=0.0, help="weight of KL(target || draft) added to the CE")
+    p.add_argument("--delta-max", type=int, default=5, help="flash noisy: largest lag of the target K/V")
+    p.add_argument("--no-anchor-offset", action="store_true", help="plain positions (ablation)")
+    p.add_argument("--no-flash-noisy", action="store_true", help="always lag 1 (ablation)")
+    p.add_argument("--parallel", choices=("none", "ddp", "fsdp"), default="ddp")
+    p.add_argument("--dtype", choices=tuple(_DTYPES), default="bfloat16", help="target weights' dtype on CUDA")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-every", type=int, default=200)
+    p.add_argument("--tensorboard", action="store_true")
+    p.set_defaults(run=run_train)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from longspec.train import DataConfig, Parallel, TrainConfig, train
+
+    if not Path(args.target).is_dir():
+        raise CLIError(f"--target {args.target!r} is not a directory")
+    tokenizer = AutoTokenizer.from_pretrained(args.target, local_files_only=True)
+    dtype = _DTYPES[args.dtype] if torch.cuda.is_available() else torch.float32
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype, local_files_only=True)
+    draft = None
+    if args.draft_init:
+        from longspec import LongSpecDraft
+
+        draft = LongSpecDraft.from_pretrained(args.draft_init, target=target, dtype=torch.float32)
+    cfg = TrainConfig(data=DataConfig(paths=args.data, field=args.field, seq_len=args.seq_len), out_dir=args.out,
+                      steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
+                      kl_weight=args.kl_weight, delta_max=args.delta_max, anchor_offset=not args.no_anchor_offset,
+                      flash_noisy=not args.no_flash_noisy, parallel=Parallel(args.parallel), seed=args.seed,
+                      save_every=args.save_every, tensorboard=args.tensorboard)
+    history = train(cfg, target, tokenizer, draft=draft)
+    last = history[-1] if history else {}
+    print(f"trained to step {last.get('step', 0)}: loss {last.get('loss', float('nan')):.4f}", file=sys.stderr)
+    return 0
+
+
+# -- demo -----------------------------------------------------------------------------------------------------------
+
+
+def add_demo_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="decode a long prompt plainly and speculatively; compare speed and outputs")
+    p.add_argument("--context", type=int, default=2048, help="prompt tokens")
+    p.add_argument("--new-tokens", type=int, default=96)
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.set_defaults(run=run_demo)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from longspec.demo import run_demo as demo
+
+    results = demo(args.context, args.new_tokens, args.device)
+    print("longspec demo: random-initialised Llama target (no trained pair ships yet), "
+          f"{args.context}-token prompt, {args.new_tokens} new tokens, greedy")
+    print(f"{'method':48s} {'tau':>5s} {'tokens/s':>9s}  identical to plain")
+    for r in results:
+        print(f"{r.method:48s} {r.tau:5.2f} {r.tokens_per_s:9.1f}  {'yes' if r.identical else 'NO'}")
+    return 0 if all(r.identical for r in results) else 1
 
 
 if __name__ == "__main__":

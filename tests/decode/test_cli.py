@@ -81,3 +81,12 @@ def test_parser_has_subcommands():
     assert args.run.__name__ == "run_generate" and args.temperature == 0.0 and args.draft is None
     with pytest.raises(SystemExit):
         parser.parse_args(["generate", "--target", "t", "--prompt-file", "p", "--draft", "d", "--drafter", "pld"])
+
+
+def test_demo_runs_and_outputs_are_identical(capsys):
+    from longspec.cli import main
+
+    assert main(["demo", "--context", "300", "--new-tokens", "12", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "random-initialised Llama target" in out
+    assert out.count(" yes") == 3 and " NO" not in out

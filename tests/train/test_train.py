@@ -32,9 +32,9 @@ class CharTokenizer:
         return {"input_ids": [2 + (ord(c) % (VOCAB - 2)) for c in text]}
 
 
-def tiny_target(max_pos: int = 4096, seed: int = 0):
+def tiny_target(max_pos: int = 4096, seed: int = 0, vocab: int = VOCAB):
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos)
     return LlamaForCausalLM(cfg)
 
@@ -248,3 +248,40 @@ def test_two_process_gloo(tmp_path, parallel):
     assert losses[0] == losses[1]  # the logged loss is averaged across ranks
     draft = LongSpecDraft.from_pretrained(tmp_path / "out" / "checkpoint-3", target=tiny_target())
     assert all(torch.isfinite(p).all() for p in draft.parameters())
+
+
+# --- the command line ---------------------------------------------------------------------------------------------
+
+
+def _save_target_with_tokenizer(path):
+    """A tiny target plus a real byte-level BPE tokenizer trained on the corpus, saved as a transformers directory."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = [f"def f{i % 7}(x):\n    return x * {i % 5} + {i % 3}\n" for i in range(50)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<eos>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>")
+    fast.save_pretrained(path)
+    tiny_target(vocab=320).save_pretrained(path)
+    return len(fast)
+
+
+def test_cli_train_under_torchrun(tmp_path):
+    """The user path: ``torchrun --nproc-per-node 2 -m longspec.cli train ...`` (gloo on CPU), then resume."""
+    import subprocess
+    import sys
+
+    assert _save_target_with_tokenizer(tmp_path / "target") <= 320
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+           "-m", "longspec.cli", "train", "--target", str(tmp_path / "target"), "--data", corpus,
+           "--out", str(tmp_path / "out"), "--seq-len", "64", "--steps", "2", "--save-every", "2",
+           "--parallel", "ddp"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "trained to step 2" in run.stderr
+    assert (tmp_path / "out" / "checkpoint-2" / "model.safetensors").exists()
