@@ -266,7 +266,7 @@ def _run(model: "PreTrainedModel", input_ids: Tensor, position_ids: Tensor, step
     if model.config._attn_implementation != ATTN_IMPLEMENTATION:
         raise RuntimeError("run the target inside longspec.model.target.use_longspec_attention(model)")
     out = model.base_model(
-        input_ids=input_ids, position_ids=position_ids, past_key_values=None, use_cache=False, longspec_step=step
+        input_ids=input_ids, position_ids=position_ids, use_cache=False, longspec_step=step
     )
     return out.last_hidden_state
 
