@@ -99,6 +99,10 @@ class LongSpecDrafter:
         >>> decoder = SpeculativeDecoder(target, LongSpecDrafter(draft), tree_shape=(4, 16, 16, 16, 16))
     """
 
+    # Reads only the target's last layer (cross-attention) and token ids, so KVUpdate.REFEED, which compacts only
+    # that layer after a verify, serves it as well as COMMIT.
+    reads_all_target_layers = False
+
     def __init__(self, draft: LongSpecDraft) -> None:
         self.draft = draft
         self.cache: Optional[LongSpecDraftCache] = None

@@ -253,7 +253,8 @@ def test_prefill_rejects_an_incompatible_target():
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.parametrize("batch", [1, 2])
-def test_greedy_speculative_equals_greedy(kind, batch):
+@pytest.mark.parametrize("kv_update", ["COMMIT", "REFEED"])
+def test_greedy_speculative_equals_greedy(kind, batch, kv_update):
     """A random LongSpec draft in SpeculativeDecoder reproduces the target's own greedy decoding token for token."""
     decoder_mod = pytest.importorskip("longspec.decode.decoder")
     target = tiny_target(kind, (4, 2), vocab=32, layers=2, seed=4)
@@ -269,7 +270,8 @@ def test_greedy_speculative_equals_greedy(kind, batch):
     mask = torch.zeros(batch, S, dtype=torch.int64)
     for b, p in enumerate(prompts):  # left padding
         ids[b, S - len(p) :], mask[b, S - len(p) :] = p, 1
-    decoder = decoder_mod.SpeculativeDecoder(target, LongSpecDrafter(draft), tree_shape=(8, 8, 8))
+    decoder = decoder_mod.SpeculativeDecoder(target, LongSpecDrafter(draft), tree_shape=(8, 8, 8),
+                                             kv_update=decoder_mod.KVUpdate[kv_update])
     out = decoder.generate(ids, max_new_tokens=new, eos_token_id=[], attention_mask=mask)
     for b, p in enumerate(prompts):
         want = target.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.int64),
