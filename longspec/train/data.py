@@ -91,6 +91,7 @@ def _iter_parquet(path: str, key: str) -> Iterator[str]:
 
 
 def _iter_hf(spec: str, key: str, split: str) -> Iterator[str]:
+    # UNTESTED: `datasets` is installed neither in CI nor on the GPU machine; this path has never run.
     try:
         import datasets
     except ImportError as e:

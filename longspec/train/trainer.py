@@ -183,6 +183,7 @@ class _Logger:
         self.file = open(out_dir / "log.jsonl", "a") if d.main else None
         self.tb = None
         if d.main and cfg.tensorboard:
+            # UNTESTED: tensorboard is not installed in CI; the jsonl log is the tested record.
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(out_dir / "tensorboard"))
