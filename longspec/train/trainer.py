@@ -78,14 +78,15 @@ class TrainConfig:
             raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the target's LM head has {vocab} rows")
 
 
-def lr_lambda(cfg: TrainConfig):
-    warm = max(1, int(cfg.warmup_ratio * cfg.steps))
+def warmup_cosine(warmup: int, steps: int, min_ratio: float = 0.1):
+    """LR multiplier for LambdaLR: linear warm-up over ``warmup`` steps, then cosine decay to ``min_ratio``."""
+    warmup = max(1, warmup)
 
     def f(step: int) -> float:
-        if step < warm:
-            return (step + 1) / warm
-        t = (step - warm) / max(1, cfg.steps - warm)
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
+        if step < warmup:
+            return (step + 1) / warmup
+        t = (step - warmup) / max(1, steps - warmup)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
 
     return f
 
@@ -261,7 +262,8 @@ def train(cfg: TrainConfig, target, tokenizer, draft=None) -> list[dict]:
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                                   weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, warmup_cosine(int(cfg.warmup_ratio * cfg.steps), cfg.steps, cfg.min_lr_ratio))
     rng = torch.Generator().manual_seed(cfg.seed + d.rank)
     step = _resume(out, LongSpecDraft, target, model, optimizer, scheduler, rng, d)
     data = batches(PackedStream(cfg.data, tokenizer, rank=d.rank, world_size=d.world), cfg.batch_size,

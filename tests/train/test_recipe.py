@@ -1,0 +1,142 @@
+"""The code-pair recipe on CPU: corpus split, BPE tokenizer, held-out prompts, and the tiny recipe end to end."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from longspec.train.corpus import build_corpus, heldout_prompts, is_heldout, iter_records
+from longspec.train.tokenizer import EOS_TOKEN, train_bpe_tokenizer
+
+PACKAGES = [f"pkg{i}" for i in range(12)]
+
+
+def _module_text(package: str, name: str, n_funcs: int) -> str:
+    lines = [f'"""Module {name} of {package}."""', "import os", ""]
+    for i in range(n_funcs):
+        lines += [f"def {name}_{i}(x, y={i}):", f"    total = x * {i % 7} + y", "    for k in range(3):",
+                  f"        total += k * {package!r}.__len__()", "    return total", ""]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture(scope="module")
+def fake_site(tmp_path_factory):
+    """Two roots of fake packages: directories with submodules, single-file modules, and things to skip."""
+    base = tmp_path_factory.mktemp("site")
+    roots = [base / "stdlib", base / "site-packages"]
+    for root in roots:
+        root.mkdir()
+    for i, package in enumerate(PACKAGES):
+        root = roots[i % 2]
+        if i % 3 == 2:  # a single-file module
+            (root / f"{package}.py").write_text(_module_text(package, "mod", 30))
+            continue
+        (root / package / "sub").mkdir(parents=True)
+        (root / package / "__init__.py").write_text(f"from .core import *  # {package}\n")
+        for j, name in enumerate(["core", "util", "io"]):
+            (root / package / f"{name}.py").write_text(_module_text(package, name, 25 + j))
+        (root / package / "sub" / "deep.py").write_text(_module_text(package, "deep", 20))
+        (root / package / "__pycache__").mkdir()
+        (root / package / "__pycache__" / "x.py").write_text("skipped = True\n")
+    (roots[1] / "pkg1").joinpath("latin1.py").write_bytes(b"s = '\xe9'\n")  # not UTF-8: skipped
+    (roots[1] / "pkg0-1.0.dist-info").mkdir()
+    (roots[1] / "pkg0-1.0.dist-info" / "meta.py").write_text("x = 1\n")
+    (roots[1] / "pkg1").joinpath("big.py").write_text("# " + "x" * (1 << 20) + "\n")  # over 1 MB: skipped
+    return [str(r) for r in roots]
+
+
+@pytest.fixture(scope="module")
+def corpus(fake_site, tmp_path_factory):
+    return build_corpus(str(tmp_path_factory.mktemp("corpus")), roots=fake_site, heldout_frac=0.3)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(corpus, tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    out = str(tmp_path_factory.mktemp("tok"))
+    train_bpe_tokenizer([corpus.train_jsonl], 400, out)
+    return AutoTokenizer.from_pretrained(out)
+
+
+def _packages(jsonl):
+    return [r["package"] for r in iter_records(jsonl)]
+
+
+def test_corpus_split_is_by_package_disjoint_and_deterministic(fake_site, corpus, tmp_path):
+    train, held = set(_packages(corpus.train_jsonl)), set(_packages(corpus.heldout_jsonl))
+    assert train and held and not train & held
+    assert train | held == set(PACKAGES)
+    assert all(is_heldout(p, 0.3) for p in held) and not any(is_heldout(p, 0.3) for p in train)
+    again = build_corpus(str(tmp_path), roots=fake_site, heldout_frac=0.3)
+    for a, b in [(corpus.train_jsonl, again.train_jsonl), (corpus.heldout_jsonl, again.heldout_jsonl)]:
+        assert open(a, "rb").read() == open(b, "rb").read()
+
+
+def test_corpus_records_skip_caches_metadata_big_and_non_utf8(corpus):
+    paths = [r["path"] for j in (corpus.train_jsonl, corpus.heldout_jsonl) for r in iter_records(j)]
+    assert "pkg0/sub/deep.py" in paths and "pkg2.py" in paths
+    assert not any("__pycache__" in p or "dist-info" in p or p.endswith(("latin1.py", "big.py")) for p in paths)
+    assert all(p.split("/")[0].removesuffix(".py") == r for p, r in
+               zip(paths, _packages(corpus.train_jsonl) + _packages(corpus.heldout_jsonl)))
+    assert corpus.skipped_files == 2
+
+
+def test_tokenizer_round_trips_and_has_eos(tokenizer):
+    assert tokenizer.eos_token == EOS_TOKEN and tokenizer.eos_token_id == 0 and tokenizer.pad_token_id == 1
+    assert 258 < len(tokenizer) <= 400  # the tiny corpus may run out of pairs seen twice before 400
+    for text in ["def f(x):\n\treturn x  # ok\n", "  s = 'é ☃ 日本'\r\n", ""]:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert tokenizer.decode(ids) == text
+    # merges were learned: code compresses below one token per byte
+    sample = "def core_1(x, y=1):\n    total = x * 1 + y\n"
+    assert len(tokenizer(sample)["input_ids"]) < len(sample.encode()) / 2
+
+
+def test_heldout_prompts_continue_a_file_of_one_package(corpus, tokenizer):
+    budget, prefix = 600, 40
+    prompts, names = heldout_prompts(corpus.heldout_jsonl, tokenizer, budget, n=3, seed=1, prefix_tokens=prefix)
+    assert len(prompts) == 3 and len(names) == 3
+    files = {(r["package"], r["path"]): r["text"] for r in iter_records(corpus.heldout_jsonl)}
+    for ids, package in zip(prompts, names):
+        assert ids.shape == (1, budget) and ids.dtype == torch.long
+        text = tokenizer.decode(ids[0])
+        headers = [line[len("# file: "):] for line in text.splitlines() if line.startswith("# file: ")]
+        assert headers and all(h.split("/")[0].removesuffix(".py") == package for h in headers)
+        last = headers[-1]
+        tail = text[text.rindex("\n# file: " + last + "\n") + len("\n# file: " + last + "\n"):]
+        assert last not in headers[:-1] and len(headers) >= 2  # context comes from other files of the package
+        full = files[(package, last)]
+        assert full.startswith(tail) and len(tail) < len(full)  # ends inside the file, more of it follows
+    again, _ = heldout_prompts(corpus.heldout_jsonl, tokenizer, budget, n=3, seed=1, prefix_tokens=prefix)
+    assert all(torch.equal(a, b) for a, b in zip(prompts, again))
+    with pytest.raises(ValueError):
+        heldout_prompts(corpus.heldout_jsonl, tokenizer, 10**6, n=1)
+
+
+def test_tiny_recipe_end_to_end_decodes_exactly(fake_site, tmp_path):
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from benchmarks.recipe_code_pair import SCALES, run_recipe
+    from longspec import LongSpecDraft, LongSpecDrafter, SpeculativeDecoder
+
+    scale = SCALES["tiny"]
+    record = run_recipe(str(tmp_path), scale, roots=fake_site, device="cpu")
+    saved = json.loads((tmp_path / "recipe.json").read_text())
+    assert saved["target"]["loss"]["first"] == record["target"]["loss"]["first"]
+    assert set(saved["wall_s"]) == {"corpus", "tokenizer", "pretokenize", "target", "draft"}
+    assert len(saved["draft"]["loss"]["curve"]) == scale.draft_steps
+
+    target_dir = tmp_path / "target"
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    target = LlamaForCausalLM.from_pretrained(target_dir).eval()
+    assert target.config.rope_parameters["rope_theta"] >= 500000
+    draft = LongSpecDraft.from_pretrained(os.path.join(record["draft"]["checkpoint"]), target=target)
+    prompt = tok("def core_3(x, y=3):\n    total = x *", return_tensors="pt")["input_ids"]
+    plain = SpeculativeDecoder(target, None).generate(prompt, 24, eos_token_id=[])
+    spec = SpeculativeDecoder(target, LongSpecDrafter(draft), tree_shape=(2, 2, 2)).generate(
+        prompt, 24, eos_token_id=[])
+    assert torch.equal(plain.sequences, spec.sequences)
+    assert plain.sequences.shape == (1, prompt.shape[1] + 24)
