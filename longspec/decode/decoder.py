@@ -39,7 +39,7 @@ from longspec.model.target import (
     use_longspec_attention,
 )
 
-from .drafter import DecodeState, Drafter, TreeSpec
+from .drafter import DecodeState, DraftTree, Drafter, TreeSpec
 from .sampling import SamplingParams, sample_tokens
 from .tree import prefix_tree_mask, tree_mask_from_parents, tree_positions
 from .verify import accept_tree, node_draws
@@ -121,6 +121,7 @@ class _Run:
     generator: Optional[torch.Generator]
     pending: Tensor  # int64 [B] (REFEED) rows [seqlens - pending, seqlens) held by the last layer only
     history: list[Tensor] = field(default_factory=list)  # per round: int64 [B] tokens emitted
+    draft_graph: Optional["_CudaGraphDraft"] = None  # the captured propose of this call (cuda_graphs only)
 
 
 class _PhaseTimer:
@@ -189,6 +190,34 @@ class _CudaGraphForward:
         return graph, static_inputs, static_out
 
 
+class _CudaGraphDraft:
+    """UNTESTED ON CPU (needs a CUDA device). ``drafter.propose(state, tree)`` captured as one CUDA graph.
+
+    Valid for one ``generate`` call: the graph reads the call's ``DecodeState`` tensors and the drafter's cache in
+    place (both persistent within the call). Triton kernels compile in a warm-up run before capture; that run's
+    writes are undone by restoring ``drafter.graph_state()`` from a snapshot.
+    """
+
+    def __init__(self, drafter: Drafter, state: DecodeState, tree: TreeSpec) -> None:
+        mutated = drafter.graph_state()
+        snapshot = [t.clone() for t in mutated]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            drafter.propose(state, tree)
+            for t, saved in zip(mutated, snapshot):
+                t.copy_(saved)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            out = drafter.propose(state, tree)
+        self.tokens, self.parents = out.tokens, out.parents
+
+    def __call__(self) -> DraftTree:
+        self.graph.replay()
+        return DraftTree(self.tokens, self.parents)
+
+
 def stop_lengths(
     emitted: Tensor, counts: Tensor, eos: Tensor, remaining: Tensor, active: Tensor
 ) -> tuple[Tensor, Tensor]:
@@ -221,7 +250,9 @@ class SpeculativeDecoder:
         target: the model to decode (any dtype/device; it is run in eval semantics under ``inference_mode``).
         drafter: a :class:`~longspec.decode.drafter.Drafter` or None for plain decoding on the same kernels.
         tree_shape: nodes per depth (``(4, 16, 16, 16, 16)``: 69 nodes with the root; a chain is ``(1, 1, 1, 1)``).
-        cuda_graphs: capture the target's verify / decode forwards as CUDA graphs (CUDA only; untested on CPU).
+        cuda_graphs: capture the target's verify / decode forwards as CUDA graphs, and the drafter's ``propose``
+            when it offers ``graph_state()`` (LongSpecDrafter does; CUDA only). The target forwards were validated on
+            an H200; the captured draft step is new and has not run on a GPU yet.
         prefill_chunk_size: prompt tokens per prefill forward (bounds prefill activation memory).
         max_cache_len: refuse requests needing more cache rows than this (prompt + max_new_tokens + scratch rows).
         kv_update: :class:`KVUpdate` strategy for the accepted path's K/V (COMMIT by default).
@@ -351,12 +382,22 @@ class SpeculativeDecoder:
             counts, accept_index = torch.ones_like(run.generated), None
         else:
             with timer.phase("draft"):
-                draft = self.drafter.propose(run.state, self.tree)
+                draft = self._propose(run)
             with timer.phase("verify"):
                 emitted, counts, accept_index = self._verify_step(run, draft.tokens, draft.parents)
         kept = self._advance(run, emitted, counts, accept_index)
         if streamer is not None:
             streamer(emitted, kept)
+
+    def _propose(self, run: _Run) -> DraftTree:
+        """The drafter's tree; under CUDA graphs when enabled and the drafter offers ``graph_state`` (captured on
+        the first round of each generate call)."""
+        graphable = self.cuda_graphs and hasattr(self.drafter, "graph_state") and run.state.root.is_cuda
+        if not graphable:
+            return self.drafter.propose(run.state, self.tree)
+        if run.draft_graph is None:
+            run.draft_graph = _CudaGraphDraft(self.drafter, run.state, self.tree)
+        return run.draft_graph()
 
     def _plain_step(self, run: _Run) -> Tensor:
         """One token per row through ``prefix_attn``; int64 ``[B, 1]``."""

@@ -106,9 +106,12 @@ class DecodeState:
 class Drafter(Protocol):
     """A source of draft trees. Implementations keep their own state between calls, keyed to ``DecodeState``.
 
-    Optional attributes the engine reads when present: ``vocab_size`` (checked against the target's) and
+    Optional attributes the engine reads when present: ``vocab_size`` (checked against the target's),
     ``reads_all_target_layers`` (default True; False means only the last layer's cache rows and the token ids are
-    read, which allows ``KVUpdate.REFEED``).
+    read, which allows ``KVUpdate.REFEED``), and ``graph_state()``: a drafter whose ``propose`` makes no host sync,
+    keeps static shapes and reads the ``DecodeState`` tensors in place returns the tensors ``propose`` mutates, and
+    the engine (with ``cuda_graphs=True``) then captures ``propose`` as a CUDA graph once per ``generate`` (the
+    warm-up run before capture is undone by restoring those tensors). Without it, ``propose`` runs eagerly.
     """
 
     def prefill(self, state: DecodeState, tree: TreeSpec) -> None:

@@ -112,6 +112,12 @@ class LongSpecDrafter:
         """The vocabulary drafted from (the target's LM head rows); the engine checks it against the target."""
         return self.draft.vocab_size
 
+    def graph_state(self) -> list[Tensor]:
+        """Every tensor ``propose`` mutates (the cache), so the engine can capture ``propose`` as a CUDA graph."""
+        if self.cache is None:
+            raise RuntimeError("LongSpecDrafter.graph_state needs prefill() first")
+        return [getattr(self.cache, f.name) for f in fields(self.cache)]
+
     # --- protocol ---------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
