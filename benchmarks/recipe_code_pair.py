@@ -200,15 +200,39 @@ def stride_sample(jsonl: str, out_path: str, want_chars: int) -> int:
     return written
 
 
-def train_draft(target, tokenizer, data_jsonl: str, out_dir: str, s: Scale) -> tuple[list[dict], str]:
+# The main draft and the issue's two ablations: (anchor_offset, flash_noisy) per variant.
+DRAFT_VARIANTS = {"draft": (True, True), "draft_no_anchor": (False, True), "draft_no_noisy": (True, False)}
+
+
+def train_draft(target, tokenizer, data_jsonl: str, out_dir: str, s: Scale, anchor_offset: bool = True,
+                flash_noisy: bool = True) -> tuple[list[dict], str]:
     cfg = TrainConfig(data=DataConfig(paths=[data_jsonl], seq_len=s.draft_seq), out_dir=out_dir,
-                      steps=s.draft_steps, batch_size=s.draft_batch, lr=s.draft_lr, anchor_offset=True,
-                      flash_noisy=True, save_every=s.draft_steps, log_every=s.log_every, progress=False, seed=SEED)
+                      steps=s.draft_steps, batch_size=s.draft_batch, lr=s.draft_lr, anchor_offset=anchor_offset,
+                      flash_noisy=flash_noisy, save_every=s.draft_steps, log_every=s.log_every, progress=False,
+                      seed=SEED)
     history = train(cfg, target, tokenizer)
     return history, os.path.join(out_dir, f"checkpoint-{s.draft_steps}")
 
 
 # --- the recipe ---------------------------------------------------------------------------------------------------
+
+
+def steps_to_loss(history: list[dict], level: float, smooth: int = 20) -> int | None:
+    """First step whose trailing ``smooth``-step mean loss is at or below ``level`` (None if never)."""
+    losses = [h["loss"] for h in history]
+    for i in range(len(losses)):
+        window = losses[max(0, i - smooth + 1): i + 1]
+        if sum(window) / len(window) <= level:
+            return history[i]["step"]
+    return None
+
+
+def ablation_summary(histories: dict[str, list[dict]], smooth: int = 20) -> dict:
+    """Training steps each variant needs to reach the loss that every variant reaches (the worst final loss)."""
+    finals = {k: sum(h["loss"] for h in v[-smooth:]) / len(v[-smooth:]) for k, v in histories.items()}
+    level = max(finals.values())
+    return {"level": level, "final_loss": finals,
+            "steps_to_level": {k: steps_to_loss(v, level, smooth) for k, v in histories.items()}}
 
 
 def _loss_summary(history: list[dict], every: int) -> dict:
@@ -218,7 +242,7 @@ def _loss_summary(history: list[dict], every: int) -> dict:
 
 
 def run_recipe(out: str, scale: str | Scale = "tiny", roots: Sequence[str] | None = None,
-               device: str | torch.device | None = None) -> dict:
+               device: str | torch.device | None = None, ablations: bool = False) -> dict:
     """Run every stage into ``out`` and return (and write) the ``recipe.json`` record."""
     from transformers import AutoTokenizer
 
@@ -258,8 +282,14 @@ def run_recipe(out: str, scale: str | Scale = "tiny", roots: Sequence[str] | Non
     draft_chars = int(s.draft_steps * s.draft_batch * s.draft_seq * 3.5 * 1.2)  # ~3.3 chars/token, 20% spare
     stride_sample(corpus.train_jsonl, draft_data, draft_chars)
     target.eval()
-    draft_hist, draft_ckpt = train_draft(target, tokenizer, draft_data, os.path.join(out, "draft"), s)
-    lap("draft")
+    histories, checkpoints = {}, {}
+    for name, (anchor, noisy) in DRAFT_VARIANTS.items():
+        if name != "draft" and not ablations:
+            continue
+        histories[name], checkpoints[name] = train_draft(target, tokenizer, draft_data, os.path.join(out, name), s,
+                                                         anchor_offset=anchor, flash_noisy=noisy)
+        lap(name)
+    draft_hist, draft_ckpt = histories["draft"], checkpoints["draft"]
     record = {
         "scale": asdict(s), "seeds": {"torch": SEED, "target_windows": SEED + 1, "eval_windows": SEED + 2,
                                       "draft": SEED},
@@ -272,6 +302,9 @@ def run_recipe(out: str, scale: str | Scale = "tiny", roots: Sequence[str] | Non
                   "median_tokens_per_s": float(np.median([h["tokens_per_s"] for h in draft_hist]))},
         "wall_s": times, "total_wall_s": round(sum(times.values()), 3),
     }
+    if ablations:
+        record["ablations"] = {"checkpoints": checkpoints, **ablation_summary(histories),
+                               "loss": {k: _loss_summary(v, s.log_every) for k, v in histories.items()}}
     with open(os.path.join(out, "recipe.json"), "w") as f:
         json.dump(record, f, indent=1)
     return record
@@ -283,8 +316,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--scale", choices=sorted(SCALES), default="tiny")
     ap.add_argument("--roots", nargs="*", default=None, help="package roots (default: stdlib + site-packages)")
     ap.add_argument("--device", default=None)
+    ap.add_argument("--ablations", action="store_true", help="also train drafts without anchor-offset / flash noisy")
     a = ap.parse_args(argv)
-    record = run_recipe(a.out, a.scale, a.roots, a.device)
+    record = run_recipe(a.out, a.scale, a.roots, a.device, ablations=a.ablations)
     print(json.dumps({k: record[k] for k in ("corpus", "wall_s", "total_wall_s")}, indent=1))
     print(json.dumps({"target_loss": record["target"]["loss"]["last"], "heldout_loss": record["target"]["heldout_loss"],
                       "draft_loss": record["draft"]["loss"]["last"]}))

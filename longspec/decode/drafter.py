@@ -112,6 +112,7 @@ class Drafter(Protocol):
     keeps static shapes and reads the ``DecodeState`` tensors in place returns the tensors ``propose`` mutates, and
     the engine (with ``cuda_graphs=True``) then captures ``propose`` as a CUDA graph once per ``generate`` (the
     warm-up run before capture is undone by restoring those tensors). Without it, ``propose`` runs eagerly.
+    ``nbytes()``: the device memory the drafter holds, for reports.
     """
 
     def prefill(self, state: DecodeState, tree: TreeSpec) -> None:

@@ -112,6 +112,10 @@ class LongSpecDrafter:
         """The vocabulary drafted from (the target's LM head rows); the engine checks it against the target."""
         return self.draft.vocab_size
 
+    def nbytes(self) -> int:
+        """Device bytes the drafter holds (its cache; independent of the context length); 0 before prefill."""
+        return self.cache.nbytes() if self.cache is not None else 0
+
     def graph_state(self) -> list[Tensor]:
         """Every tensor ``propose`` mutates (the cache), so the engine can capture ``propose`` as a CUDA graph."""
         if self.cache is None:

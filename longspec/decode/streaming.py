@@ -45,6 +45,10 @@ class StreamingSelfDrafter:
         self.window = window
         self._view: Optional[StaticKVCache] = None
 
+    def nbytes(self) -> int:
+        """Device bytes the drafter holds (its sink + window view of every layer); 0 before prefill."""
+        return self._view.kv.nbytes + self._view.seqlens.nbytes if self._view is not None else 0
+
     def prefill(self, state: DecodeState, tree: TreeSpec) -> None:
         """Allocate the view: ``sink + window`` gathered rows plus one scratch row per tree node, every layer."""
         L, _, B, _, H, D = state.cache.kv.shape

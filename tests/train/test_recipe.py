@@ -140,3 +140,26 @@ def test_tiny_recipe_end_to_end_decodes_exactly(fake_site, tmp_path):
         prompt, 24, eos_token_id=[])
     assert torch.equal(plain.sequences, spec.sequences)
     assert plain.sequences.shape == (1, prompt.shape[1] + 24)
+
+
+def test_e2e_benchmark_on_the_tiny_pair(tmp_path, fake_site):
+    """The end-to-end harness runs every method on the tiny recipe's pair (with ablation drafts) and, at T = 0 and
+    T = 1 (seed-exact), every engine method reproduces Vanilla FA's tokens."""
+    from benchmarks.bench_e2e import VANILLA_FA, bench, load_pair, write_results
+    from benchmarks.recipe_code_pair import run_recipe
+
+    record = run_recipe(str(tmp_path), "tiny", roots=fake_site, device="cpu", ablations=True)
+    assert set(record["ablations"]["steps_to_level"]) == {"draft", "draft_no_anchor", "draft_no_noisy"}
+    pair = load_pair(str(tmp_path), "cpu", torch.float32)
+    with torch.inference_mode():
+        rows = bench(pair, [160], n_prompts=1, new_tokens=6, temperatures=[0.0, 1.0], device="cpu", hf=True)
+    methods = {r["method"] for r in rows}
+    assert {"Vanilla HF", VANILLA_FA, "LongSpec tree", "LongSpec (no_anchor) tree", "PLD chain 6"} <= methods
+    for r in rows:
+        if r["method"] != "Vanilla HF":
+            assert r["identical_to_FA"], r
+        assert r["tau"] >= 1.0 and r["tokens_per_s"] > 0
+    longspec = next(r for r in rows if r["method"] == "LongSpec tree")
+    assert longspec["draft_bytes"] > 0 and longspec["tree_scratch_bytes"] > 0
+    write_results(rows, {"device": "cpu"}, str(tmp_path / "results"))
+    assert (tmp_path / "results" / "e2e.md").read_text().count("\n") == len(rows) + 6
