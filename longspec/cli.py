@@ -181,6 +181,7 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=tuple(_DTYPES), default="bfloat16", help="target weights' dtype on CUDA")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-every", type=int, default=200)
+    p.add_argument("--log-every", type=int, default=10, help="steps between log.jsonl rows")
     p.add_argument("--tensorboard", action="store_true")
     p.set_defaults(run=run_train)
 
@@ -204,7 +205,7 @@ def run_train(args: argparse.Namespace) -> int:
                       steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
                       kl_weight=args.kl_weight, delta_max=args.delta_max, anchor_offset=not args.no_anchor_offset,
                       flash_noisy=not args.no_flash_noisy, parallel=Parallel(args.parallel), seed=args.seed,
-                      save_every=args.save_every, tensorboard=args.tensorboard)
+                      save_every=args.save_every, log_every=args.log_every, tensorboard=args.tensorboard)
     history = train(cfg, target, tokenizer, draft=draft)
     last = history[-1] if history else {}
     print(f"trained to step {last.get('step', 0)}: loss {last.get('loss', float('nan')):.4f}", file=sys.stderr)

@@ -285,3 +285,21 @@ def test_cli_train_under_torchrun(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     assert "trained to step 2" in run.stderr
     assert (tmp_path / "out" / "checkpoint-2" / "model.safetensors").exists()
+
+
+def test_scaling_harness_over_gloo(tmp_path):
+    """benchmarks/bench_scaling (issue 8's harness) on CPU: 1 rank vs 2 ranks (DDP and FSDP2), same global batch."""
+    from benchmarks.bench_scaling import main as scaling
+
+    _save_target_with_tokenizer(tmp_path / "target")
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    scaling(["--target", str(tmp_path / "target"), "--data", corpus, "--ranks", "2", "--global-batch", "4",
+             "--steps", "4", "--seq-len", "64", "--work", str(tmp_path / "runs"), "--out", str(tmp_path)])
+    res = json.loads((tmp_path / "scaling.json").read_text())
+    assert len(res["single"]) == 4
+    for mode in ("ddp", "fsdp"):
+        r = res["runs"][mode]
+        assert [row["step"] for row in r["log"]] == [1, 2, 3, 4]
+        # step 1: identical weights and the same 4 sequences; only the per-rank position/delta draws differ
+        assert abs(r["log"][0]["loss"] - res["single"][0]["loss"]) < 0.5
+        assert r["scaling_efficiency"] > 0
