@@ -12,7 +12,8 @@ LONGSPEC_BUILD_EXT=1 LONGSPEC_CUDA_ARCHS=9.0 MAX_JOBS=16 python3 -m pip install 
   > /tmp/build.log 2>&1 || { tail -40 /tmp/build.log; exit 1; }
 echo "build: $(( $(date +%s) - start )) s"; grep -i "longspec build" /tmp/build.log | head -3
 python3 -c "import longspec_ops; print('has_cuda_kernels', longspec_ops.has_cuda_kernels())"
-timeout 300 python3 -m pytest -q --timeout 120 tests/ops ${1:+-k "$1"} -p no:cacheprovider > "$OUT/tests.log" 2>&1
+# -n 12: the op grid is ~800 tests dominated by Triton compiles and float32 references (5 min serially, <2 with xdist)
+timeout 300 python3 -m pytest -q -n 12 --timeout 120 tests/ops ${1:+-k "$1"} -p no:cacheprovider > "$OUT/tests.log" 2>&1
 grep -E "passed|failed|Fatal|Segmentation|Error" "$OUT/tests.log" | head -20
 echo "op tests done at $(( $(date +%s) - start )) s"
 timeout 200 python3 -m pytest -q tests/decode/test_gpu_decoder.py tests/model -p no:cacheprovider > "$OUT/tests_decode.log" 2>&1
@@ -24,6 +25,11 @@ fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   timeout 240 python3 -m pytest -q --tb=short benchmarks/test_attention.py --benchmark-enable -p no:cacheprovider > "$OUT/bench.log" 2>&1; grep -E "^E |passed|failed" "$OUT/bench.log" | head -12
   cat "$OUT/attention.md" 2>/dev/null
+fi
+if [ "${PAIR:-0}" = 1 ]; then  # the trained pair (issue 7): recipe, then the end-to-end benchmark
+  timeout 1200 python3 -m benchmarks.recipe_code_pair --out /tmp/pair --scale h200 --ablations 2>&1 | tail -3
+  cp /tmp/pair/recipe.json "$OUT/" 2>/dev/null
+  timeout 900 python3 -m benchmarks.bench_e2e --pair /tmp/pair --out "$OUT" 2>&1 | tail -40
 fi
 if [ "${E2E:-1}" = 1 ]; then
   timeout 200 python3 -m benchmarks.bench_decode --context 8192 --out "$OUT" 2>&1 | tail -12

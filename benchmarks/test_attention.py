@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import longspec_ops
+import longspec_ops  # noqa: F401  (registers torch.ops.longspec)
 from benchmarks.timing import Timer, measure_peaks, roofline_us
 from tests.ops.naive import beam_tree_mask
 
@@ -64,17 +64,21 @@ class Case:
         return kv + qo, flops
 
 
+# longspec rows call the raw ops, as the engine does (the typed wrappers add a length check with a host sync).
+_ops = torch.ops.longspec
+
+
 def longspec_hybrid(c: Case):
-    return lambda: longspec_ops.hybrid_tree_attn(c.q, c.k, c.v, c.seqlens, c.k_tree, c.v_tree, c.mask, c.scale)
+    return lambda: _ops.hybrid_tree_attn(c.q, c.k, c.v, c.seqlens, c.k_tree, c.v_tree, c.mask, c.scale)
 
 
 def longspec_composed(c: Case):
     """prefix_attn + tree_attn + merge_attn_states: three launches instead of the fused split-KV kernel."""
 
     def run():
-        op, lp = longspec_ops.prefix_attn(c.q, c.k, c.v, c.seqlens, c.scale)
-        ot, lt = longspec_ops.tree_attn(c.q, c.k_tree, c.v_tree, c.mask, c.scale)
-        return longspec_ops.merge_attn_states(op, lp, ot, lt)
+        op, lp = _ops.prefix_attn(c.q, c.k, c.v, c.seqlens, c.scale)
+        ot, lt = _ops.tree_attn(c.q, c.k_tree, c.v_tree, c.mask, c.scale)
+        return _ops.merge_attn_states(op, lp, ot, lt)
 
     return run
 
@@ -123,8 +127,8 @@ def torch_fa2_merge(c: Case):
     def run():
         o, lse = torch.ops.aten._flash_attention_forward(
             c.q, k, v, None, None, c.M, c.N, 0.0, False, False, scale=c.scale)[:2]
-        ot, lt = longspec_ops.tree_attn(c.q, c.k_tree, c.v_tree, c.mask, c.scale)
-        return longspec_ops.merge_attn_states(o, lse, ot, lt)
+        ot, lt = _ops.tree_attn(c.q, c.k_tree, c.v_tree, c.mask, c.scale)
+        return _ops.merge_attn_states(o, lse, ot, lt)
 
     return run
 
@@ -135,8 +139,8 @@ def flash_attn_pkg(c: Case):
     def run():
         o, lse = flash_attn.flash_attn_with_kvcache(c.q, c.k, c.v, cache_seqlens=c.seqlens, softmax_scale=c.scale,
                                                     return_softmax_lse=True)
-        ot, lt = longspec_ops.tree_attn(c.q, c.k_tree, c.v_tree, c.mask, c.scale)
-        return longspec_ops.merge_attn_states(o, lse, ot, lt)
+        ot, lt = _ops.tree_attn(c.q, c.k_tree, c.v_tree, c.mask, c.scale)
+        return _ops.merge_attn_states(o, lse, ot, lt)
 
     return run
 
@@ -206,7 +210,7 @@ def sdpa_decode(c: Case):
 
 
 def longspec_decode(c: Case):
-    return lambda: longspec_ops.prefix_attn(c.q, c.k, c.v, c.seqlens, c.scale)
+    return lambda: _ops.prefix_attn(c.q, c.k, c.v, c.seqlens, c.scale)
 
 
 @pytest.mark.parametrize("N", NS)
