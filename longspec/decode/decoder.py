@@ -251,8 +251,8 @@ class SpeculativeDecoder:
         drafter: a :class:`~longspec.decode.drafter.Drafter` or None for plain decoding on the same kernels.
         tree_shape: nodes per depth (``(4, 16, 16, 16, 16)``: 69 nodes with the root; a chain is ``(1, 1, 1, 1)``).
         cuda_graphs: capture the target's verify / decode forwards as CUDA graphs, and the drafter's ``propose``
-            when it offers ``graph_state()`` (LongSpecDrafter does; CUDA only). The target forwards were validated on
-            an H200; the captured draft step is new and has not run on a GPU yet.
+            when it offers ``graph_state()`` (all three built-in drafters do; CUDA only). The target forwards were
+            validated on an H200; the captured draft step is new and has not run on a GPU yet.
         prefill_chunk_size: prompt tokens per prefill forward (bounds prefill activation memory).
         max_cache_len: refuse requests needing more cache rows than this (prompt + max_new_tokens + scratch rows).
         kv_update: :class:`KVUpdate` strategy for the accepted path's K/V (COMMIT by default).

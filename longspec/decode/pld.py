@@ -36,6 +36,10 @@ class PromptLookupDrafter:
     def prefill(self, state: DecodeState, tree: TreeSpec) -> None:
         """Nothing to prepare: PLD reads ``state.tokens`` each round."""
 
+    def graph_state(self) -> list[Tensor]:
+        """PLD keeps no state and ``propose`` makes no host sync, so the engine may capture it as a CUDA graph."""
+        return []
+
     def propose(self, state: DecodeState, tree: TreeSpec) -> DraftTree:
         ctx = state.tokens  # [B, C]; tokens[b, seqlens[b]] is the root
         last = state.seqlens.to(torch.int64)  # index of the root

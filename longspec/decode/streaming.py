@@ -45,6 +45,12 @@ class StreamingSelfDrafter:
         self.window = window
         self._view: Optional[StaticKVCache] = None
 
+    def graph_state(self) -> list[Tensor]:
+        """The view ``propose`` rewrites, so the engine can capture ``propose`` as a CUDA graph."""
+        if self._view is None:
+            raise RuntimeError("StreamingSelfDrafter.graph_state needs prefill() first")
+        return [self._view.kv, self._view.seqlens]
+
     def nbytes(self) -> int:
         """Device bytes the drafter holds (its sink + window view of every layer); 0 before prefill."""
         return self._view.kv.nbytes + self._view.seqlens.nbytes if self._view is not None else 0

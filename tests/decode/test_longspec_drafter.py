@@ -121,10 +121,14 @@ def test_tree_drafting_matches_dense_recomputation(kind, heads, rope, window, sh
         commit_random_path(state, tree, g)
 
 
-def test_graph_state_covers_everything_propose_mutates():
+@pytest.mark.parametrize("which", ["longspec", "pld", "streaming"])
+def test_graph_state_covers_everything_propose_mutates(which):
     """The engine captures propose as a CUDA graph after a warm-up run whose writes it undoes by restoring
-    graph_state(); so re-running propose from restored graph_state() must reproduce the tree and the cache exactly,
-    round after round (a mutated tensor missing from graph_state() would make the second run differ)."""
+    graph_state(); so re-running propose from restored graph_state() must reproduce the tree and the drafter's state
+    exactly, round after round (a mutated tensor missing from graph_state() would make the second run differ)."""
+    from longspec import PromptLookupDrafter, StreamingSelfDrafter
+    from longspec.model.target import use_longspec_attention
+
     target = tiny_target("llama", (4, 2))
     draft = LongSpecDraft.from_target(target, window=6)
     randomize(draft)
@@ -132,19 +136,22 @@ def test_graph_state_covers_everything_propose_mutates():
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 160, (n,), generator=g).tolist() for n in (9, 4)]
     state = make_state(target, prompts, 40, seed=5)
-    drafter = LongSpecDrafter(draft)
-    drafter.prefill(state, spec)
-    for _ in range(3):
-        saved = [t.clone() for t in drafter.graph_state()]
-        first = drafter.propose(state, spec)
-        after_first = [t.clone() for t in drafter.graph_state()]
-        for t, s in zip(drafter.graph_state(), saved):
-            t.copy_(s)
-        again = drafter.propose(state, spec)
-        assert torch.equal(first.tokens, again.tokens) and torch.equal(first.parents, again.parents)
-        assert all(torch.equal(a, b) for a, b in zip(after_first, drafter.graph_state()))
-        assert any(not torch.equal(a, b) for a, b in zip(saved, after_first))  # propose does write its state
-        commit_random_path(state, again, g)
+    drafter = {"longspec": lambda: LongSpecDrafter(draft), "pld": PromptLookupDrafter,
+               "streaming": lambda: StreamingSelfDrafter(sink=2, window=4)}[which]()
+    with torch.inference_mode(), use_longspec_attention(target):
+        drafter.prefill(state, spec)
+        for _ in range(3):
+            saved = [t.clone() for t in drafter.graph_state()]
+            first = drafter.propose(state, spec)
+            after_first = [t.clone() for t in drafter.graph_state()]
+            for t, s in zip(drafter.graph_state(), saved):
+                t.copy_(s)
+            again = drafter.propose(state, spec)
+            assert torch.equal(first.tokens, again.tokens) and torch.equal(first.parents, again.parents)
+            assert all(torch.equal(a, b) for a, b in zip(after_first, drafter.graph_state()))
+            if which != "pld":  # PLD is stateless; the others do write their state
+                assert any(not torch.equal(a, b) for a, b in zip(saved, after_first))
+            commit_random_path(state, again, g)
 
 
 def test_window_is_exact_at_512():
