@@ -51,6 +51,20 @@ def test_generate_streams_the_greedy_text(model_dir, prompt_file, capsys, drafte
     assert "tau=" in err and "rounds=" in err
 
 
+def test_generate_with_a_longspec_draft(model_dir, prompt_file, capsys, tmp_path):
+    """``--draft DIR``: a saved LongSpec draft (random weights) loads for the target and decodes losslessly."""
+    target = tiny_target("llama-gqa-d64")
+    longspec.LongSpecDraft.from_target(target).save_pretrained(tmp_path / "draft")
+    code, out, err = run(capsys, "generate", "--target", str(model_dir), "--prompt-file", str(prompt_file),
+                         "--max-new-tokens", "10", "--dtype", "float32", "--draft", str(tmp_path / "draft"),
+                         "--tree-shape", "2", "3")
+    assert code == 0, err
+    tok = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    ids = tok(prompt_file.read_text(), return_tensors="pt")["input_ids"]
+    want = target.generate(ids, do_sample=False, max_new_tokens=10)[0, ids.shape[1]:]
+    assert out == tok.decode(want, skip_special_tokens=True) + "\n"
+
+
 def test_generate_errors(model_dir, prompt_file, capsys, monkeypatch):
     base = ["generate", "--target", str(model_dir), "--prompt-file", str(prompt_file), "--dtype", "float32"]
     code, _, err = run(capsys, *base, "--max-new-tokens", "500")
