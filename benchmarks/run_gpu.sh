@@ -19,6 +19,11 @@ echo "op tests done at $(( $(date +%s) - start )) s"
 timeout 200 python3 -m pytest -q tests/decode/test_gpu_decoder.py tests/model -p no:cacheprovider > "$OUT/tests_decode.log" 2>&1
 grep -E "passed|failed|Error|first divergence" "$OUT/tests_decode.log" | head -20
 echo "decode tests done at $(( $(date +%s) - start )) s"
+if [ "${SANITIZE:-0}" = 1 ]; then  # memcheck on a small subset (Firecracker machines run compute-sanitizer)
+  timeout 400 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
+    tests/ops/test_csrc_build.py tests/ops/test_gpu_attention.py -k "small_grid and 3-69-97-heads0 or commit_matches or merge_matches_reference and contiguous" \
+    > "$OUT/sanitizer.log" 2>&1; echo "compute-sanitizer exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitizer.log" | tail -3
+fi
 if [ "${SWEEP:-0}" = 1 ]; then
   timeout 300 python3 -m benchmarks.sweep_attention --quick --cases "${SWEEP_CASES:-tree-32768,decode-32768}" --out /tmp 2>&1 | grep -v "^\s*$" | head -40
 fi
