@@ -8,6 +8,7 @@ its acceptance. Usage (GPU): ``python -m benchmarks.bench_decode --context 8192`
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import time
@@ -17,6 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from longspec import LongSpecDraft, LongSpecDrafter, PromptLookupDrafter, SpeculativeDecoder, StreamingSelfDrafter
 from longspec.decode.decoder import KVUpdate
+from longspec.testing import first_divergence
 
 
 def build_target(device="cuda"):
@@ -67,11 +69,14 @@ def main() -> None:
                                                   (4, 16, 16, 16, 16), KVUpdate.COMMIT),
     }
     rows, ref = [], None
+    ref32 = copy.deepcopy(target).float()  # to tell bf16 near-ties from real differences
     for name, (drafter, shape, kv) in methods.items():
         r = run(target, ids, drafter, shape, a.new_tokens, kv)
         seq = r.pop("sequences")
         ref = seq if ref is None else ref
         r["identical_to_plain"] = bool(torch.equal(seq, ref))
+        d = first_divergence(seq, ref, ref32)
+        r["first_divergence"] = None if d is None else {"column": d.column, "fp32_top2_margin": d.margin}
         rows.append({"method": name, **r})
         print(f"{name:40s} tau {r['tau']:.2f}  {r['tokens_per_s']:8.1f} tok/s  {r['ms_per_round']:.2f} ms/round "
               f"(draft {r['draft_ms']:.2f}, verify {r['verify_ms']:.2f}, other {r['other_ms']:.2f})  "

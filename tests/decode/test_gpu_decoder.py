@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from longspec import LongSpecDraft, LongSpecDrafter, PromptLookupDrafter, SpeculativeDecoder, StreamingSelfDrafter
+from longspec.testing import first_divergence
 
 from ..conftest import requires_cuda
 from .tiny_targets import FAMILIES, assert_same_tokens, ragged_batch, tiny_target
@@ -22,17 +23,8 @@ def _cuda_target(family: str, dtype=torch.bfloat16):
 def _assert_ties_only(got, want, mask, target_fp32, bound: float = 0.1) -> None:
     """bf16 is lossless up to numerics: outputs may part only where the next token is a numerical near-tie. At the
     first divergence, the float32 model's top-2 logit margin on the agreed prefix must be below ``bound``."""
-    if torch.equal(got, want):
-        return
-    b, t = (got != want).nonzero()[0].tolist()
-    S = mask.shape[1]
-    prefix = want[b:b + 1, :t]
-    attn = torch.cat([mask[b:b + 1], torch.ones(1, t - S, dtype=mask.dtype, device=mask.device)], dim=1)
-    with torch.no_grad():
-        logits = target_fp32(prefix, attention_mask=attn).logits[0, -1].float()
-    top2 = logits.topk(2).values
-    margin = float(top2[0] - top2[1])
-    assert margin < bound, f"row {b} column {t}: outputs differ where the fp32 top-2 margin is {margin:.3g}"
+    d = first_divergence(got, want, target_fp32, mask)
+    assert d is None or d.margin < bound, f"outputs differ at {d} where the float32 top-2 margin is not a tie"
 
 
 def _drafters(target):
