@@ -205,3 +205,21 @@ def test_bad_length_on_cuda_is_rejected():
     q, kc, vc, kt, vt, lens = _inputs(1, 5, 64, (32, 8), 128, torch.bfloat16, False, 1)
     with pytest.raises(ValueError, match="cache_seqlens values must lie in"):
         longspec_ops.hybrid_tree_attn(q, kc, vc, lens + 100, kt, vt, _mask(1, 5, 1))
+
+
+def test_flash_attn_package_prefix_merges_to_hybrid():
+    """longspec[flash]: where the flash-attn package is installed, its kvcache attention (returning the natural-log
+    LSE) merged with tree_attn by merge_attn_states gives the hybrid's result (the benchmark's baseline row)."""
+    flash_attn = pytest.importorskip("flash_attn")
+    B, M, N, D = 2, 74, 4096, 128
+    q, kc, vc, kt, vt, lens = _inputs(B, M, N, (32, 8), D, torch.bfloat16, False, 21)
+    mask = _mask(B, M, 21)
+    scale = 1 / math.sqrt(D)
+    o_p, lse_p = flash_attn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, softmax_scale=scale,
+                                                    return_softmax_lse=True)
+    o_t, lse_t = longspec_ops.tree_attn(q, kt, vt, mask, scale)
+    out, lse = longspec_ops.merge_attn_states(o_p, lse_p, o_t, lse_t)
+    want, want_lse = longspec_ops.hybrid_tree_attn(q, kc, vc, lens, kt, vt, mask, scale)
+    assert (out.float() - want.float()).abs().max() < 2e-2
+    fin = torch.isfinite(want_lse)
+    assert (lse[fin] - want_lse[fin]).abs().max() < 1e-2
