@@ -21,28 +21,40 @@ def _acc_dtype(t: Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+def _attend(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Masked attention in the accumulation dtype: out [B, M, Hq, D] and lse [B, Hq, M], neither rounded yet."""
+    B, M, Hq, D = q.shape
+    Hkv = k.shape[2]
+    G = Hq // Hkv
+    acc = _acc_dtype(q)
+    qf = q.to(acc).reshape(B, M, Hkv, G, D)
+    # scores [B, Hkv, G, M, N]
+    s = torch.einsum("bmhgd,bnhd->bhgmn", qf, k.to(acc)) * scale
+    s = s.masked_fill(~visible[:, None, None, :, :], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # -inf on empty rows
+    p = torch.exp(s - lse[..., None].masked_fill(torch.isinf(lse)[..., None], 0.0))
+    p = p.masked_fill(~visible[:, None, None, :, :], 0.0)
+    o = torch.einsum("bhgmn,bnhd->bmhgd", p, v.to(acc))
+    return o.reshape(B, M, Hq, D), lse.reshape(B, Hq, M)
+
+
+def _merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
+    """The exact merge in the accumulation dtype (inputs already in it); -inf on either or both sides is safe."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    wa = torch.exp(lse_a - safe).transpose(1, 2)[..., None]  # [B, M, H, 1]; exp(-inf) = 0 on an empty side
+    wb = torch.exp(lse_b - safe).transpose(1, 2)[..., None]
+    return out_a * wa + out_b * wb, lse
+
+
 def masked_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """Attention of q [B, M, Hq, D] over keys k/v [B, N, Hkv, D] where ``visible`` [B, M, N] (bool) is True.
 
     Returns out [B, M, Hq, D] (q's dtype) and lse [B, Hq, M] (float32). Rows with no visible key give
     out = 0 and lse = -inf.
     """
-    B, M, Hq, D = q.shape
-    Hkv = k.shape[2]
-    G = Hq // Hkv
-    acc = _acc_dtype(q)
-    qf = q.to(acc).reshape(B, M, Hkv, G, D)
-    kf = k.to(acc)
-    vf = v.to(acc)
-    # scores [B, Hkv, G, M, N]
-    s = torch.einsum("bmhgd,bnhd->bhgmn", qf, kf) * scale
-    s = s.masked_fill(~visible[:, None, None, :, :], float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)  # -inf on empty rows
-    p = torch.exp(s - lse[..., None].masked_fill(torch.isinf(lse)[..., None], 0.0))
-    p = p.masked_fill(~visible[:, None, None, :, :], 0.0)
-    o = torch.einsum("bhgmn,bnhd->bmhgd", p, vf)
-    out = o.reshape(B, M, Hq, D).to(q.dtype)
-    return out, lse.reshape(B, Hq, M).to(torch.float32)
+    out, lse = _attend(q, k, v, visible, scale)
+    return out.to(q.dtype), lse.to(torch.float32)
 
 
 def merge_attn_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
@@ -52,15 +64,7 @@ def merge_attn_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor
     Either side may be -inf (empty); both -inf gives out 0 and lse -inf.
     """
     acc = _acc_dtype(out_a)
-    la = lse_a.to(acc)
-    lb = lse_b.to(acc)
-    lse = torch.logaddexp(la, lb)
-    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    wa = torch.exp(la - safe)  # exp(-inf) = 0 on an empty side
-    wb = torch.exp(lb - safe)
-    wa = wa.transpose(1, 2)[..., None]  # [B, M, H, 1]
-    wb = wb.transpose(1, 2)[..., None]
-    out = out_a.to(acc) * wa + out_b.to(acc) * wb
+    out, lse = _merge(out_a.to(acc), lse_a.to(acc), out_b.to(acc), lse_b.to(acc))
     return out.to(out_a.dtype), lse.to(torch.float32)
 
 
@@ -96,13 +100,14 @@ def hybrid_tree_attn(
 ) -> tuple[Tensor, Tensor]:
     """One softmax over committed rows [0, cache_seqlens[b]) plus the tree keys each mask row allows.
 
-    Computed as a single masked softmax over the concatenated keys (the GPU kernels split and merge by LSE).
+    Computed as the GPU kernels do, prefix and tree parts merged by LSE, but both kept in the accumulation dtype
+    until the end, so the merge rounds nothing (and the cache is never concatenated with the tree).
     """
     M, N = q.shape[1], k_cache.shape[1]
-    visible = torch.cat([prefix_visibility(cache_seqlens, M, N), tree_mask], dim=-1)
-    keys = torch.cat([k_cache, k_tree], dim=1)
-    values = torch.cat([v_cache, v_tree], dim=1)
-    return masked_attention(q, keys, values, visible, scale)
+    out_p, lse_p = _attend(q, k_cache, v_cache, prefix_visibility(cache_seqlens, M, N), scale)
+    out_t, lse_t = _attend(q, k_tree, v_tree, tree_mask, scale)
+    out, lse = _merge(out_p, lse_p, out_t, lse_t)
+    return out.to(q.dtype), lse.to(torch.float32)
 
 
 def draft_kv_lens(q_pos: Tensor, cache_seqlens: Tensor) -> Tensor:
