@@ -118,7 +118,19 @@ def run_hf(pair: Pair, prompts, new_tokens: int, temperature: float, device: str
             "tree_scratch_bytes": 0, "outputs": outputs}
 
 
-def bench(pair: Pair, contexts, n_prompts: int, new_tokens: int, temperatures, device: str, hf: bool) -> list[dict]:
+def _first_difference(a: torch.Tensor, b: torch.Tensor) -> int | None:
+    """The first generated-token index at which two outputs differ (None if equal)."""
+    n = min(a.shape[-1], b.shape[-1])
+    differ = (a[..., :n] != b[..., :n]).flatten().nonzero()
+    if differ.numel():
+        return int(differ[0]) % n
+    return None if a.shape == b.shape else n
+
+
+def bench(pair: Pair, contexts, n_prompts: int, new_tokens: int, temperatures, device: str, hf: bool,
+          on_rows=None) -> list[dict]:
+    """Every method at every (context, temperature); ``on_rows(rows)`` is called after each such block (so a run
+    cut short keeps what it measured)."""
     rows = []
     for ctx in contexts:
         prompts, packages = heldout_prompts(pair.heldout, pair.tokenizer, ctx, n_prompts, seed=ctx)
@@ -132,12 +144,17 @@ def bench(pair: Pair, contexts, n_prompts: int, new_tokens: int, temperatures, d
             base = results[VANILLA_FA]
             base_outputs = base["outputs"]
             for name, r in results.items():
-                same = all(torch.equal(a, b) for a, b in zip(r.pop("outputs"), base_outputs))
+                diffs = [_first_difference(a, b) for a, b in zip(r.pop("outputs"), base_outputs)]
+                diffs = [d for d in diffs if d is not None]
+                same = not diffs
                 rows.append({"context": ctx, "T": temperature, "method": name, **r,
                              "speedup_vs_FA": r["tokens_per_s"] / base["tokens_per_s"],
-                             "identical_to_FA": same, "packages": packages})
+                             "identical_to_FA": same, "first_difference": min(diffs) if diffs else None,
+                             "packages": packages})
                 print(f"ctx {ctx:6d} T {temperature} {name:32s} tau {r['tau']:.2f} "
                       f"{r['tokens_per_s']:8.1f} tok/s x{rows[-1]['speedup_vs_FA']:.2f} same={same}", flush=True)
+            if on_rows is not None:
+                on_rows(rows)
     return rows
 
 
@@ -148,7 +165,7 @@ def write_results(rows: list[dict], meta: dict, out_dir: str) -> None:
     lines = ["# long-code completion, end to end", "", "; ".join(f"{k}: {v}" for k, v in meta.items()), "",
              "| context | T | method | tau | tokens/s | speedup vs FA | draft MB | tree scratch MB | same as FA |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
+    for r in sorted(rows, key=lambda r: (r["context"], r["T"])):  # stable: methods keep their order
         lines.append(f"| {r['context']} | {r['T']} | {r['method']} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | "
                      f"{r['speedup_vs_FA']:.2f} | {r['draft_bytes'] / 2**20:.2f} | "
                      f"{r['tree_scratch_bytes'] / 2**20:.2f} | {r['identical_to_FA']} |")
@@ -169,12 +186,12 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     dtype = torch.bfloat16 if a.device.startswith("cuda") else torch.float32
     pair = load_pair(a.pair, a.device, dtype)
-    with torch.inference_mode():
-        rows = bench(pair, a.contexts, a.prompts, a.new_tokens, a.temperatures, a.device, hf=not a.no_hf)
     meta = {"device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",
             "torch": torch.__version__, "dtype": str(dtype), "prompts_per_context": a.prompts,
-            "new_tokens": a.new_tokens}
-    write_results(rows, meta, a.out)
+            "new_tokens": a.new_tokens, "git_sha": os.environ.get("LONGSPEC_GIT_SHA", "unknown")}
+    with torch.inference_mode():
+        bench(pair, a.contexts, a.prompts, a.new_tokens, a.temperatures, a.device, hf=not a.no_hf,
+              on_rows=lambda rows: write_results(rows, meta, a.out))
 
 
 if __name__ == "__main__":

@@ -168,3 +168,40 @@ def batches(stream: PackedStream, batch_size: int, start_batch: int = 0) -> Iter
     it = stream.iter_from(start_batch * batch_size)
     while True:
         yield torch.stack([next(it) for _ in range(batch_size)])
+
+
+class Prefetch:
+    """Iterate ``source`` in a daemon thread, ``depth`` items ahead, in order (tokenisation overlaps the GPU step;
+    the Rust tokenizer releases the GIL). An exception in the source is re-raised by ``next``."""
+
+    _END = object()
+
+    def __init__(self, source: Iterator, depth: int = 4):
+        import queue
+        import threading
+
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        self._queue: "queue.Queue" = queue.Queue(maxsize=depth)
+        self._thread = threading.Thread(target=self._fill, args=(source,), daemon=True, name="longspec-prefetch")
+        self._thread.start()
+
+    def _fill(self, source: Iterator) -> None:
+        try:
+            for item in source:
+                self._queue.put((True, item))
+            self._queue.put((True, self._END))
+        except BaseException as exc:  # handed to the consumer, which re-raises it
+            self._queue.put((False, exc))
+
+    def __iter__(self) -> "Prefetch":
+        return self
+
+    def __next__(self):
+        ok, item = self._queue.get()
+        if not ok:
+            raise item
+        if item is self._END:
+            self._queue.put((True, self._END))  # later calls stop too
+            raise StopIteration
+        return item

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .data import DataConfig, PackedStream, batches
+from .data import DataConfig, PackedStream, Prefetch, batches
 from .objective import prepare_target, step_loss
 from .positions import anchor_offset_positions
 
@@ -266,8 +266,8 @@ def train(cfg: TrainConfig, target, tokenizer, draft=None) -> list[dict]:
         optimizer, warmup_cosine(int(cfg.warmup_ratio * cfg.steps), cfg.steps, cfg.min_lr_ratio))
     rng = torch.Generator().manual_seed(cfg.seed + d.rank)
     step = _resume(out, LongSpecDraft, target, model, optimizer, scheduler, rng, d)
-    data = batches(PackedStream(cfg.data, tokenizer, rank=d.rank, world_size=d.world), cfg.batch_size,
-                   start_batch=step * cfg.grad_accum)
+    data = Prefetch(batches(PackedStream(cfg.data, tokenizer, rank=d.rank, world_size=d.world), cfg.batch_size,
+                            start_batch=step * cfg.grad_accum))
     max_pos = cfg.max_positions or target.config.max_position_embeddings
     use_bf16 = cfg.bf16 and d.device.type == "cuda"
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if use_bf16 else _null()

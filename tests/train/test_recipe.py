@@ -116,24 +116,41 @@ def test_heldout_prompts_continue_a_file_of_one_package(corpus, tokenizer):
         heldout_prompts(corpus.heldout_jsonl, tokenizer, 10**6, n=1)
 
 
-def test_tiny_recipe_end_to_end_decodes_exactly(fake_site, tmp_path):
+def test_tiny_recipe_in_stages_with_budgets_decodes_exactly(fake_site, tmp_path):
+    """data + target in one process; drafts in another over the same directory after the corpus was lost (a fresh
+    machine): the corpus is rebuilt identically, the tokenizer is kept; step counts come from the timed probes."""
+    import dataclasses
+    import shutil
+
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    from benchmarks.recipe_code_pair import SCALES, run_recipe
+    from benchmarks.recipe_code_pair import SCALES, export_pair, run_recipe
     from longspec import LongSpecDraft, LongSpecDrafter, SpeculativeDecoder
 
-    scale = SCALES["tiny"]
-    record = run_recipe(str(tmp_path), scale, roots=fake_site, device="cpu")
-    saved = json.loads((tmp_path / "recipe.json").read_text())
-    assert saved["target"]["loss"]["first"] == record["target"]["loss"]["first"]
-    assert set(saved["wall_s"]) == {"corpus", "tokenizer", "pretokenize", "target", "draft"}
-    assert len(saved["draft"]["loss"]["curve"]) == scale.draft_steps
+    scale = dataclasses.replace(SCALES["tiny"], target_seconds=60.0, target_steps=3, draft_seconds=60.0,
+                                draft_steps=2)
+    out = tmp_path / "pair"
+    first = run_recipe(str(out), scale, roots=fake_site, device="cpu", stages=("data", "target"))
+    assert "draft" not in first and first["target"]["steps"] == 3 and first["target"]["probe_step_s"] > 0
+    assert set(first["wall_s"]) == {"corpus", "tokenizer", "pretokenize", "target"}
+    tokenizer_json = (out / "target" / "tokenizer.json").read_bytes()
+    shutil.rmtree(out / "corpus")
+    record = run_recipe(str(out), scale, roots=fake_site, device="cpu", stages=("drafts",))
+    assert (out / "target" / "tokenizer.json").read_bytes() == tokenizer_json
+    assert record["target"] == first["target"] and record["draft"]["steps"] == 2
+    assert record["draft"]["probe_step_s"] > 0 and len(record["draft"]["loss"]["curve"]) == 2
+    saved = json.loads((out / "recipe.json").read_text())
+    assert saved["draft"]["loss"] == record["draft"]["loss"] and "draft" in saved["wall_s"]
+    with pytest.raises(ValueError, match="another scale"):
+        run_recipe(str(out), "tiny", roots=fake_site, device="cpu", stages=("drafts",))
 
-    target_dir = tmp_path / "target"
+    summary = export_pair(str(out), str(tmp_path / "shipped"))
+    assert summary["draft"]["steps"] == 2
+    target_dir = tmp_path / "shipped" / "target"
     tok = AutoTokenizer.from_pretrained(target_dir)
-    target = LlamaForCausalLM.from_pretrained(target_dir).eval()
-    assert target.config.rope_parameters["rope_theta"] >= 500000
-    draft = LongSpecDraft.from_pretrained(os.path.join(record["draft"]["checkpoint"]), target=target)
+    target = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    assert target.config.rope_parameters["rope_theta"] >= 500000 and target.config.tie_word_embeddings
+    draft = LongSpecDraft.from_pretrained(tmp_path / "shipped" / "draft", target=target)
     prompt = tok("def core_3(x, y=3):\n    total = x *", return_tensors="pt")["input_ids"]
     plain = SpeculativeDecoder(target, None).generate(prompt, 24, eos_token_id=[])
     spec = SpeculativeDecoder(target, LongSpecDrafter(draft), tree_shape=(2, 2, 2)).generate(

@@ -303,3 +303,23 @@ def test_scaling_harness_over_gloo(tmp_path):
         # step 1: identical weights and the same 4 sequences; only the per-rank position/delta draws differ
         assert abs(r["log"][0]["loss"] - res["single"][0]["loss"]) < 0.5
         assert r["scaling_efficiency"] > 0
+
+def test_prefetch_keeps_order_stops_and_reraises():
+    from longspec.train.data import Prefetch
+
+    assert list(Prefetch(iter(range(50)), depth=3)) == list(range(50))
+    it = Prefetch(iter([]), depth=1)
+    for _ in range(2):  # exhausted stays exhausted
+        with pytest.raises(StopIteration):
+            next(it)
+
+    def broken():
+        yield 1
+        raise ValueError("bad record in data.jsonl")
+
+    it = Prefetch(broken())
+    assert next(it) == 1
+    with pytest.raises(ValueError, match="bad record"):
+        next(it)
+    with pytest.raises(ValueError, match="depth"):
+        Prefetch(iter([]), depth=0)
