@@ -171,8 +171,10 @@ def batches(stream: PackedStream, batch_size: int, start_batch: int = 0) -> Iter
 
 
 class Prefetch:
-    """Iterate ``source`` in a daemon thread, ``depth`` items ahead, in order (tokenisation overlaps the GPU step;
-    the Rust tokenizer releases the GIL). An exception in the source is re-raised by ``next``."""
+    """Iterate ``source`` in a background thread, ``depth`` items ahead, in order (tokenisation overlaps the GPU
+    step; the Rust tokenizer releases the GIL). An exception in the source is re-raised by ``next``. Call
+    :meth:`close` when done (the trainer does): it stops the thread and waits for it, so no thread is left inside
+    the tokenizer when the interpreter exits."""
 
     _END = object()
 
@@ -183,25 +185,44 @@ class Prefetch:
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
         self._queue: "queue.Queue" = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._fill, args=(source,), daemon=True, name="longspec-prefetch")
         self._thread.start()
+
+    def _put(self, item) -> bool:
+        import queue
+
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
 
     def _fill(self, source: Iterator) -> None:
         try:
             for item in source:
-                self._queue.put((True, item))
-            self._queue.put((True, self._END))
+                if not self._put((True, item)):
+                    return
+            self._put((True, self._END))
         except BaseException as exc:  # handed to the consumer, which re-raises it
-            self._queue.put((False, exc))
+            self._put((False, exc))
 
     def __iter__(self) -> "Prefetch":
         return self
 
     def __next__(self):
+        if self._stop.is_set():
+            raise StopIteration
         ok, item = self._queue.get()
         if not ok:
             raise item
         if item is self._END:
-            self._queue.put((True, self._END))  # later calls stop too
+            self._stop.set()  # later calls stop too
             raise StopIteration
         return item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()

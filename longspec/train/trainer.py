@@ -275,28 +275,31 @@ def train(cfg: TrainConfig, target, tokenizer, draft=None) -> list[dict]:
         (out / "train_config.json").write_text(json.dumps(asdict(cfg), default=str, indent=1))
     logger, history = _Logger(out, cfg, d), []
     bar = tqdm(total=cfg.steps, initial=step, disable=not (d.main and cfg.progress), desc="train")
-    while step < cfg.steps:
-        t0 = time.perf_counter()
-        losses = [_micro_batch(model, target, data, rng, cfg, max_pos, d, autocast, i == cfg.grad_accum - 1)
-                  for i in range(cfg.grad_accum)]
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, cfg.clip))
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        if d.device.type == "cuda":
-            torch.cuda.synchronize(d.device)
-        dt = time.perf_counter() - t0
-        tokens = cfg.grad_accum * cfg.batch_size * cfg.data.seq_len * d.world
-        row = {"step": step, "loss": _mean_across_ranks(sum(l for l, _ in losses) / len(losses), d),
-               "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm, "tokens_per_s": tokens / dt}
-        history.append(row)
-        bar.update(1)
-        bar.set_postfix(loss=f"{row['loss']:.4f}")
-        if step % cfg.log_every == 0 or step == cfg.steps:
-            logger.log(row)
-        if step % cfg.save_every == 0 or step == cfg.steps:
-            save_checkpoint(out / f"checkpoint-{step}", draft, model, optimizer, scheduler, rng, step, d)
+    try:
+        while step < cfg.steps:
+            t0 = time.perf_counter()
+            losses = [_micro_batch(model, target, data, rng, cfg, max_pos, d, autocast, i == cfg.grad_accum - 1)
+                      for i in range(cfg.grad_accum)]
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, cfg.clip))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            if d.device.type == "cuda":
+                torch.cuda.synchronize(d.device)
+            dt = time.perf_counter() - t0
+            tokens = cfg.grad_accum * cfg.batch_size * cfg.data.seq_len * d.world
+            row = {"step": step, "loss": _mean_across_ranks(sum(l for l, _ in losses) / len(losses), d),
+                   "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm, "tokens_per_s": tokens / dt}
+            history.append(row)
+            bar.update(1)
+            bar.set_postfix(loss=f"{row['loss']:.4f}")
+            if step % cfg.log_every == 0 or step == cfg.steps:
+                logger.log(row)
+            if step % cfg.save_every == 0 or step == cfg.steps:
+                save_checkpoint(out / f"checkpoint-{step}", draft, model, optimizer, scheduler, rng, step, d)
+    finally:
+        data.close()  # no prefetch thread outlives the run
     bar.close()
     logger.close()
     return history

@@ -323,3 +323,9 @@ def test_prefetch_keeps_order_stops_and_reraises():
         next(it)
     with pytest.raises(ValueError, match="depth"):
         Prefetch(iter([]), depth=0)
+    endless = Prefetch(iter(int, 1), depth=2)  # iter(int, 1): zeros forever
+    assert next(endless) == 0
+    endless.close()  # returns: the thread saw the stop while blocked on the full queue
+    assert not endless._thread.is_alive()
+    with pytest.raises(StopIteration):
+        next(endless)
