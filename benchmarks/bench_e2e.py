@@ -173,9 +173,41 @@ def write_results(rows: list[dict], meta: dict, out_dir: str) -> None:
         f.write("\n".join(lines) + "\n")
 
 
+def plot_results(rows: list[dict], out_path: str) -> None:
+    """tau and speedup over Vanilla FA against context, one panel per temperature (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temps = sorted({r["T"] for r in rows})
+    methods = list(dict.fromkeys(r["method"] for r in rows if r["method"] != VANILLA_FA))
+    fig, axes = plt.subplots(2, len(temps), figsize=(6 * len(temps), 8), squeeze=False)
+    for j, temperature in enumerate(temps):
+        for m in methods:
+            pts = sorted((r["context"], r["tau"], r["speedup_vs_FA"]) for r in rows
+                         if r["method"] == m and r["T"] == temperature)
+            if not pts:
+                continue
+            ctx = [p[0] for p in pts]
+            axes[0][j].plot(ctx, [p[1] for p in pts], marker="o", label=m)
+            axes[1][j].plot(ctx, [p[2] for p in pts], marker="o", label=m)
+        axes[0][j].set_title(f"T = {temperature}: tau (tokens per target forward)")
+        axes[1][j].set_title(f"T = {temperature}: decode tokens/s over Vanilla FA")
+        axes[1][j].axhline(1.0, color="gray", lw=0.8)
+        for ax in (axes[0][j], axes[1][j]):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("prompt tokens")
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=110)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--pair", required=True, help="recipe output directory")
+    ap.add_argument("--pair", help="recipe output directory")
+    ap.add_argument("--replot", metavar="E2E_JSON", help="only redraw e2e.png from an earlier run's e2e.json")
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=256)
@@ -184,6 +216,12 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args(argv)
+    if a.replot:
+        with open(a.replot) as f:
+            plot_results(json.load(f)["rows"], os.path.join(os.path.dirname(a.replot), "e2e.png"))
+        return
+    if not a.pair:
+        ap.error("--pair is required (or --replot)")
     dtype = torch.bfloat16 if a.device.startswith("cuda") else torch.float32
     pair = load_pair(a.pair, a.device, dtype)
     meta = {"device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",

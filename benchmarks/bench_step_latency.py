@@ -105,7 +105,7 @@ def measure(target, context: int, iters: int) -> dict:
     out = {"context": context, "decode_us": t_decode, "verify_us": t_verify, "draft_us": t_draft,
            "accept_us": t_accept, "round_us": t_draft + t_verify + t_accept,
            "draft_bytes": drafter.nbytes(), "draft_params": sum(p.numel() for p in drafter.draft.parameters())}
-    del dec, drafter, cache, state
+    del dec, drafter
     torch.cuda.empty_cache()
     return out
 

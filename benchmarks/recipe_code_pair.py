@@ -445,7 +445,8 @@ def export_pair(out: str, dest: str) -> dict:
     draft_out = os.path.join(dest, "draft")
     os.makedirs(draft_out, exist_ok=True)
     ckpt = record["draft"]["checkpoint"]
-    shutil.copy(os.path.join(ckpt, "config.json"), draft_out)
+    config = _read_json(os.path.join(ckpt, "config.json"))
+    _write_json(os.path.join(draft_out, "config.json"), {**config, "dtype": "bfloat16"})
     state = load_file(os.path.join(ckpt, "model.safetensors"))
     save_file({k: v.to(torch.bfloat16).contiguous() for k, v in state.items()},
               os.path.join(draft_out, "model.safetensors"), metadata={"format": "pt"})

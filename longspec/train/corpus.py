@@ -114,19 +114,25 @@ class CorpusStats:
 
 
 def build_corpus(out_dir: str, roots: Sequence[str] | None = None, heldout_frac: float = 0.1,
-                 max_chars: int | None = None, salt: str = "longspec") -> CorpusStats:
+                 max_chars: int | None = None, salt: str = "longspec",
+                 splits: Sequence[str] = ("train", "heldout")) -> CorpusStats:
     """Write ``out_dir/train.jsonl`` and ``out_dir/heldout.jsonl`` from the Python files under ``roots``.
 
     roots: directories whose entries are top-level packages (default :func:`default_roots`).
     max_chars: stop after this many characters in all (whole packages are never split across splits either way).
+    splits: the splits to fill; packages of the others are skipped unread (their file is left empty).
     Deterministic for a given file tree: packages and files are visited in sorted order.
     """
+    if not splits or set(splits) - {"train", "heldout"}:
+        raise ValueError(f"splits must be a non-empty subset of ('train', 'heldout'), got {splits!r}")
     os.makedirs(out_dir, exist_ok=True)
     stats = CorpusStats(os.path.join(out_dir, "train.jsonl"), os.path.join(out_dir, "heldout.jsonl"))
     with open(stats.train_jsonl, "w", encoding="utf-8") as ftrain, \
             open(stats.heldout_jsonl, "w", encoding="utf-8") as fheld:
         for package, root, entry in iter_packages(roots if roots is not None else default_roots()):
             split = "heldout" if is_heldout(package, heldout_frac, salt) else "train"
+            if split not in splits:
+                continue
             wrote = _write_package(ftrain if split == "train" else fheld, package, root, entry, stats, split)
             stats.packages[split] += int(wrote)
             if max_chars is not None and sum(stats.chars.values()) >= max_chars:

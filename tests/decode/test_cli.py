@@ -102,5 +102,7 @@ def test_demo_runs_and_outputs_are_identical(capsys):
 
     assert main(["demo", "--context", "300", "--new-tokens", "12", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
-    assert "random-initialised Llama target" in out
-    assert out.count(" yes") == 3 and " NO" not in out
+    assert "the shipped code pair" in out and "300 tokens of held-out package" in out
+    assert out.count(" yes") == 4 and " NO" not in out
+    with pytest.raises(SystemExit, match="--context"):
+        main(["demo", "--context", "8", "--device", "cpu"])

@@ -1,0 +1,63 @@
+"""The project's own trained target/draft pair, shipped inside the package (``longspec/assets/code-pair``).
+
+A Llama-architecture target (15.7M parameters, 8 layers, hidden 384, 6 query / 2 KV heads, tied embeddings,
+rope_theta 1e6) trained from scratch on the Python source installed on an H200 machine, with a byte-level BPE
+tokenizer (vocab 8192), and its LongSpec draft, both in bfloat16 (36 MB in all). ``benchmarks/recipe_code_pair.py``
+made them (``pair.json`` beside the weights summarises the run). The split into training and held-out packages is
+by package name (:func:`longspec.train.corpus.is_heldout`), so held-out prompts can be rebuilt on any machine from
+the held-out packages of its own standard library (:func:`heldout_stdlib_prompt`).
+"""
+from __future__ import annotations
+
+import json
+import sysconfig
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+PAIR_DIR = Path(__file__).parent / "assets" / "code-pair"
+
+
+@dataclass
+class CodePair:
+    target: torch.nn.Module  # transformers LlamaForCausalLM, eval mode
+    tokenizer: object  # transformers PreTrainedTokenizerFast
+    draft: torch.nn.Module  # LongSpecDraft bound to target
+    info: dict  # pair.json: how the pair was trained
+
+
+def load_code_pair(device: Optional[str | torch.device] = None, dtype: torch.dtype = torch.float32,
+                   path: str | Path = PAIR_DIR) -> CodePair:
+    """Load the shipped pair on ``device`` (default: cuda when available, else cpu) in ``dtype``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from longspec.model.draft import LongSpecDraft
+
+    path = Path(path)
+    if not (path / "target" / "config.json").is_file():
+        raise FileNotFoundError(f"no trained pair at {path} (expected target/ and draft/ from the recipe's export)")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    tokenizer = AutoTokenizer.from_pretrained(path / "target")
+    target = AutoModelForCausalLM.from_pretrained(path / "target", dtype=dtype).to(device).eval()
+    draft = LongSpecDraft.from_pretrained(path / "draft", target=target)
+    info = json.loads((path / "pair.json").read_text())
+    return CodePair(target, tokenizer, draft, info)
+
+
+def heldout_stdlib_prompt(tokenizer, context: int, seed: int = 0, heldout_frac: float = 0.1,
+                          stdlib: Optional[str] = None) -> tuple[torch.Tensor, str]:
+    """A repository-level completion prompt of exactly ``context`` tokens from a held-out package of this
+    interpreter's standard library (``heldout_frac`` must be the pair's). Returns (int64 ``[1, context]``, package).
+
+    Raises ValueError when no held-out package here has enough text for ``context`` tokens.
+    """
+    from longspec.train.corpus import build_corpus, heldout_prompts
+
+    root = stdlib or sysconfig.get_paths()["stdlib"]
+    with tempfile.TemporaryDirectory(prefix="longspec-heldout-") as tmp:
+        corpus = build_corpus(tmp, roots=[root], heldout_frac=heldout_frac, splits=("heldout",))
+        prompts, packages = heldout_prompts(corpus.heldout_jsonl, tokenizer, context, n=1, seed=seed)
+    return prompts[0], packages[0]
