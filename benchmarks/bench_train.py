@@ -27,8 +27,11 @@ class ByteTokenizer:
     def __len__(self) -> int:
         return 259
 
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": [b + 3 for b in text.encode("utf-8")]}
+    def __call__(self, text, add_special_tokens=False):  # a string or a batch of strings, as in transformers
+        def encode(t: str) -> list[int]:
+            return [b + 3 for b in t.encode("utf-8")]
+
+        return {"input_ids": encode(text) if isinstance(text, str) else [encode(t) for t in text]}
 
 
 def main() -> None:

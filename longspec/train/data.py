@@ -18,6 +18,7 @@ from typing import Iterator, Sequence
 import torch
 
 _TEXT_CHUNK_CHARS = 1 << 16  # plain-text files are tokenised in line-aligned chunks of about this size
+_TOKENIZE_BATCH_CHARS = 1 << 20  # documents are tokenised in batches of about this many characters
 
 
 @dataclass
@@ -106,6 +107,19 @@ def _iter_hf(spec: str, key: str, split: str) -> Iterator[str]:
         yield str(row[key])
 
 
+def _batched(pieces: Iterator[tuple[str, bool]], max_chars: int) -> Iterator[list[tuple[str, bool]]]:
+    """Consecutive pieces grouped until a group holds at least ``max_chars`` characters (the last may hold fewer)."""
+    batch, chars = [], 0
+    for piece in pieces:
+        batch.append(piece)
+        chars += len(piece[0])
+        if chars >= max_chars:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
+
+
 def iter_documents(cfg: DataConfig) -> Iterator[tuple[str, bool]]:
     """(text, ends a document) pieces from every source in order, once."""
     for path in cfg.files():
@@ -122,7 +136,8 @@ def iter_documents(cfg: DataConfig) -> Iterator[tuple[str, bool]]:
 class PackedStream:
     """Packed ``seq_len`` token sequences for one rank: ``for ids in stream.iter_from(k)`` yields LongTensor [seq_len].
 
-    tokenizer: a Hugging Face tokenizer (or anything with ``__call__(texts, add_special_tokens=False)``).
+    tokenizer: a Hugging Face tokenizer (or anything with ``__call__(texts: list[str], add_special_tokens=False)``
+        returning ``{"input_ids": list of id lists}``); documents are encoded in batches of about 1M characters.
     eos_id: separator appended after every document (default: the tokenizer's EOS).
     """
 
@@ -139,13 +154,15 @@ class PackedStream:
     def _token_stream(self) -> Iterator[list[int]]:
         while True:
             produced = False
-            for text, ends in iter_documents(self.cfg):
-                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-                if ends:
-                    ids = list(ids) + [self.eos_id]
-                if ids:
-                    produced = True
-                    yield ids
+            for pieces in _batched(iter_documents(self.cfg), _TOKENIZE_BATCH_CHARS):
+                # One call per batch: a fast (Rust) tokenizer encodes the batch on all cores.
+                encoded = self.tokenizer([text for text, _ in pieces], add_special_tokens=False)["input_ids"]
+                for ids, (_, ends) in zip(encoded, pieces):
+                    if ends:
+                        ids = list(ids) + [self.eos_id]
+                    if ids:
+                        produced = True
+                        yield ids
             if not produced:
                 raise ValueError(f"the training data ({self.cfg.paths}) holds no text in field {self.cfg.field!r}")
 

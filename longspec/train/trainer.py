@@ -251,7 +251,12 @@ def train(cfg: TrainConfig, target, tokenizer, draft=None) -> list[dict]:
     cfg.validate(target, tokenizer)
     target.to(d.device)
     prepare_target(target)
-    draft = (draft if draft is not None else LongSpecDraft.from_target(target)).to(d.device)
+    use_bf16 = cfg.bf16 and d.device.type == "cuda"
+    if draft is None:
+        draft = LongSpecDraft.from_target(target)
+        if use_bf16:
+            draft.float()  # float32 master weights under bf16 autocast, whatever the target's dtype
+    draft = draft.to(d.device)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     # cross_attn.k_proj / v_proj are dead (keys and values come from the target): kept for checkpoint
@@ -269,7 +274,6 @@ def train(cfg: TrainConfig, target, tokenizer, draft=None) -> list[dict]:
     data = Prefetch(batches(PackedStream(cfg.data, tokenizer, rank=d.rank, world_size=d.world), cfg.batch_size,
                             start_batch=step * cfg.grad_accum))
     max_pos = cfg.max_positions or target.config.max_position_embeddings
-    use_bf16 = cfg.bf16 and d.device.type == "cuda"
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if use_bf16 else _null()
     if d.main:
         (out / "train_config.json").write_text(json.dumps(asdict(cfg), default=str, indent=1))

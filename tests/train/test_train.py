@@ -28,8 +28,9 @@ class CharTokenizer:
     def __len__(self) -> int:
         return VOCAB
 
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": [2 + (ord(c) % (VOCAB - 2)) for c in text]}
+    def __call__(self, text, add_special_tokens=False):  # a string or a batch of strings, as in transformers
+        encode = lambda t: [2 + (ord(c) % (VOCAB - 2)) for c in t]  # noqa: E731
+        return {"input_ids": encode(text) if isinstance(text, str) else [encode(t) for t in text]}
 
 
 def tiny_target(max_pos: int = 4096, seed: int = 0, vocab: int = VOCAB):
@@ -329,3 +330,22 @@ def test_prefetch_keeps_order_stops_and_reraises():
     assert not endless._thread.is_alive()
     with pytest.raises(StopIteration):
         next(endless)
+
+
+def test_float32_draft_trains_against_a_bf16_target_under_autocast():
+    """What the trainer does on CUDA with a bf16 target (the CLI's default): a fresh draft keeps float32 master
+    weights and runs under bf16 autocast. Checked here with CPU autocast: dtypes compose and gradients are fp32."""
+    from longspec.train.objective import prepare_target, step_loss
+
+    target = tiny_target().to(torch.bfloat16)
+    prepare_target(target)
+    draft = LongSpecDraft.from_target(target).float().train()
+    draft.cross_attn.k_proj.requires_grad_(False)  # dead weights, as in the trainer
+    draft.cross_attn.v_proj.requires_grad_(False)
+    ids = torch.randint(2, VOCAB, (2, 96), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, n = step_loss(draft, target, ids, torch.arange(96), delta=2)
+    loss.backward()
+    assert n == 2 * 95 and torch.isfinite(loss)
+    grads = [p.grad for p in draft.parameters() if p.requires_grad]
+    assert grads and all(g is not None and g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)
