@@ -1,7 +1,6 @@
 """The shipped trained pair: size, loading, held-out prompts from this machine's stdlib, and exact decoding."""
 from __future__ import annotations
 
-import sysconfig
 
 import pytest
 import torch
