@@ -27,8 +27,10 @@ cosine; the chosen counts are in ``recipe.json`` and ``--target-steps`` / ``--dr
 Scales. ``tiny``: seconds on a CPU (seq 256, a handful of steps): it tests the pipeline, not the model. ``h200``:
 vocab 8192; target hidden 384, 8 layers, 6 heads / 2 KV heads (head dim 64), MLP 1024, tied embeddings (about
 15.7M parameters, 31 MB in bf16, so that target + draft + tokenizer ship in under 40 MB), rope_theta 1e6,
-max_position_embeddings 65536 (32k prompts plus generation fit); target seq 8192 x batch 8 for 300 s; each draft
-seq 8192 x batch 4 for 120 s.
+max_position_embeddings 65536 (32k prompts plus generation fit); target seq 8192 x batch 8 for 300 s, of which the
+last quarter of the steps train on 32k-token windows (batch 2); each draft seq 8192 x batch 4 for 120 s.
+(The shipped pair, ``benchmarks/results/h200/recipe.json``, predates the long-window quarter: its target saw 8k
+windows only, and its tau falls beyond 8k. The long-window schedule has run at the tiny scale only.)
 """
 from __future__ import annotations
 
@@ -70,6 +72,8 @@ class Scale:
     rope_theta: float
     target_seq: int
     target_batch: int
+    target_long_seq: int  # the last target_long_ratio of the steps train on windows this long
+    target_long_ratio: float  # (batch scaled down to keep the tokens per step), as long-context models are trained
     target_steps: int
     target_seconds: float | None
     target_lr: float
@@ -87,12 +91,14 @@ SCALES = {
     "tiny": Scale("tiny", corpus_max_chars=2_000_000, heldout_frac=0.1, vocab_size=512,
                   tokenizer_max_chars=1_000_000, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2,
                   tie_embeddings=True, max_positions=4096, rope_theta=500000.0, target_seq=256, target_batch=2,
+                  target_long_seq=512, target_long_ratio=0.5,
                   target_steps=4, target_seconds=None, target_lr=3e-3, target_warmup_ratio=0.25, draft_seq=256,
                   draft_batch=2, draft_steps=3, draft_seconds=None, draft_lr=3e-3, log_every=1, eval_windows=2),
     "h200": Scale("h200", corpus_max_chars=None, heldout_frac=0.1, vocab_size=8192,
                   tokenizer_max_chars=100_000_000, hidden=384, intermediate=1024, layers=8, heads=6, kv_heads=2,
                   tie_embeddings=True, max_positions=65536, rope_theta=1_000_000.0, target_seq=8192,
-                  target_batch=8, target_steps=4000, target_seconds=300.0, target_lr=2e-3, target_warmup_ratio=0.05,
+                  target_batch=8, target_long_seq=32768, target_long_ratio=0.25, target_steps=4000,
+                  target_seconds=300.0, target_lr=2e-3, target_warmup_ratio=0.05,
                   draft_seq=8192, draft_batch=4, draft_steps=3000, draft_seconds=120.0, draft_lr=1e-3,
                   log_every=20, eval_windows=16),
 }
@@ -163,10 +169,16 @@ class _TargetTrainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, warmup_cosine(max(1, int(s.target_warmup_ratio * steps)), steps))
         self.gen = torch.Generator().manual_seed(SEED + 1)
+        self.long_from = steps - int(round(s.target_long_ratio * steps))  # steps after this one are long
+        self.done = 0
 
-    def step(self):
+    def step(self, long: bool | None = None):
+        """One step; ``long`` forces the window length (the probe times both), default: by the schedule."""
         s = self.s
-        ids = random_windows(self.tokens, s.target_seq, s.target_batch, self.gen).to(self.device, non_blocking=True)
+        self.done += 1
+        long = self.done > self.long_from if long is None else long
+        seq, batch = long_window(s) if long else (s.target_seq, s.target_batch)
+        ids = random_windows(self.tokens, seq, batch, self.gen).to(self.device, non_blocking=True)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
             loss = self.model(input_ids=ids, labels=ids).loss
         loss.backward()
@@ -182,18 +194,33 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def probe_target_step_s(s: Scale, tokenizer, tokens: np.ndarray, device: torch.device, warm: int = 3,
-                        timed: int = 5) -> float:
-    """Seconds per target training step, timed on a throwaway model (the real run starts from the seeded init)."""
-    trainer = _TargetTrainer(build_target(s, tokenizer), tokens, s, warm + timed, device)
-    for _ in range(warm):
-        trainer.step()
-    _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(timed):
-        trainer.step()
-    _sync(device)
-    return (time.perf_counter() - t0) / timed
+def long_window(s: Scale) -> tuple[int, int]:
+    """(seq, batch) of the long-window steps: about the tokens of a normal step."""
+    return s.target_long_seq, max(1, s.target_batch * s.target_seq // s.target_long_seq)
+
+
+def probe_target_step_s(s: Scale, tokenizer, tokens: np.ndarray, device: torch.device, warm: int = 2,
+                        timed: int = 4) -> float:
+    """Mean seconds per target training step over the schedule (normal and long windows weighted by their share),
+    timed on a throwaway model (the real run starts from the seeded init)."""
+    trainer = _TargetTrainer(build_target(s, tokenizer), tokens, s, 2 * (warm + timed), device)
+    per_step = {}
+    for long in (False, True):
+        for _ in range(warm):
+            trainer.step(long)
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(timed):
+            trainer.step(long)
+        _sync(device)
+        per_step[long] = (time.perf_counter() - t0) / timed
+    return (1 - s.target_long_ratio) * per_step[False] + s.target_long_ratio * per_step[True]
+
+
+def _target_tokens(s: Scale, steps: int) -> int:
+    n_long = int(round(s.target_long_ratio * steps))
+    seq, batch = long_window(s)
+    return (steps - n_long) * s.target_batch * s.target_seq + n_long * seq * batch
 
 
 def budget_steps(seconds: float, step_s: float, cap: int) -> int:
@@ -214,13 +241,15 @@ def train_target(model, tokens: np.ndarray, s: Scale, steps: int, device: torch.
 
 
 @torch.no_grad()
-def eval_loss(model, tokens: np.ndarray, s: Scale, device: torch.device) -> float:
-    """Mean LM loss on ``eval_windows`` seeded windows (one at a time: bounded memory at long seq_len)."""
+def eval_loss(model, tokens: np.ndarray, s: Scale, device: torch.device, seq: int | None = None,
+              windows: int | None = None) -> float:
+    """Mean LM loss on seeded windows of ``seq`` tokens (default the training length; one window at a time:
+    bounded memory at long seq_len)."""
     model.eval()
     gen = torch.Generator().manual_seed(SEED + 2)
-    seq = min(s.target_seq, tokens.size)
+    seq = min(seq or s.target_seq, tokens.size)
     losses = []
-    for _ in range(s.eval_windows):
+    for _ in range(windows or s.eval_windows):
         ids = random_windows(tokens, seq, 1, gen).to(device)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
             losses.append(float(model(input_ids=ids, labels=ids).loss))
@@ -381,9 +410,11 @@ def run_recipe(out: str, scale: str | Scale = "tiny", roots: Sequence[str] | Non
         held = np.memmap(held_file, dtype=np.uint16, mode="r") if n_held > 1 else None
         record["target"] = {"dir": target_dir, "params": sum(p.numel() for p in target.parameters()),
                             "steps": steps, "probe_step_s": step_s, "saved_dtype": "bfloat16",
-                            "tokens_seen": steps * s.target_batch * s.target_seq,
+                            "tokens_seen": _target_tokens(s, steps),
                             "loss": _loss_summary(history, s.log_every),
-                            "heldout_loss": eval_loss(target, held, s, dev) if held is not None else None}
+                            "heldout_loss": eval_loss(target, held, s, dev) if held is not None else None,
+                            "heldout_loss_long": eval_loss(target, held, s, dev, s.target_long_seq,
+                                                           max(1, s.eval_windows // 4)) if held is not None else None}
         target.save_pretrained(target_dir)
         tokenizer.save_pretrained(target_dir)
         del target

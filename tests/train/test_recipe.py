@@ -131,6 +131,9 @@ def test_tiny_recipe_in_stages_with_budgets_decodes_exactly(fake_site, tmp_path)
     out = tmp_path / "pair"
     first = run_recipe(str(out), scale, roots=fake_site, device="cpu", stages=("data", "target"))
     assert "draft" not in first and first["target"]["steps"] == 3 and first["target"]["probe_step_s"] > 0
+    # round(0.5 * 3) = 2 long-window steps of 512 x 1, after one step of 256 x 2
+    assert first["target"]["tokens_seen"] == 256 * 2 + 2 * 512 * 1
+    assert first["target"]["heldout_loss_long"] > 0
     assert set(first["wall_s"]) == {"corpus", "tokenizer", "pretokenize", "target"}
     tokenizer_json = (out / "target" / "tokenizer.json").read_bytes()
     shutil.rmtree(out / "corpus")
