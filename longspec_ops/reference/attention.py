@@ -21,8 +21,22 @@ def _acc_dtype(t: Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+# Queries are attended in blocks of this many rows, so the score tensor of a long prefill stays bounded
+# ([B, Hq, rows, N] at a time); every query row is independent, so blocking changes no result.
+_QUERY_BLOCK = 1024
+
+
 def _attend(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """Masked attention in the accumulation dtype: out [B, M, Hq, D] and lse [B, Hq, M], neither rounded yet."""
+    M = q.shape[1]
+    if M <= _QUERY_BLOCK:
+        return _attend_block(q, k, v, visible, scale)
+    parts = [_attend_block(q[:, i:i + _QUERY_BLOCK], k, v, visible[:, i:i + _QUERY_BLOCK], scale)
+             for i in range(0, M, _QUERY_BLOCK)]
+    return torch.cat([o for o, _ in parts], dim=1), torch.cat([lse for _, lse in parts], dim=2)
+
+
+def _attend_block(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     B, M, Hq, D = q.shape
     Hkv = k.shape[2]
     G = Hq // Hkv

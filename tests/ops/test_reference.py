@@ -79,6 +79,17 @@ def test_prefix_matches_naive(per_query):
     _close(out, lse, *naive_attention(q, kc, vc, vis, 1 / math.sqrt(D)))
 
 
+def test_query_blocking_matches_naive(monkeypatch):
+    """Long query sets are attended in row blocks (bounded memory); results equal the one-shot naive formula."""
+    monkeypatch.setattr(ref, "_QUERY_BLOCK", 4)
+    B, M, N, Hq, Hkv, D = 2, 11, 30, 4, 2, 8
+    q, kc, vc, _, _ = _qkv(B, M, N, Hq, Hkv, D, seed=9)
+    lens = (torch.arange(M, dtype=torch.int32)[None] + torch.tensor([[5], [19]], dtype=torch.int32))  # causal-style
+    out, lse = longspec_ops.prefix_attn(q, kc, vc, lens)
+    vis = torch.arange(N)[None, None, :] < lens[:, :, None].long()
+    _close(out, lse, *naive_attention(q, kc, vc, vis, 1 / math.sqrt(D)))
+
+
 def test_tree_matches_naive_with_empty_rows():
     B, M, Hq, Hkv, D = 2, 9, 6, 3, 8
     q, _, _, kt, vt = _qkv(B, M, 1, Hq, Hkv, D, seed=7)
