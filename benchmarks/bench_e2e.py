@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from longspec import LongSpecDraft, LongSpecDrafter, PromptLookupDrafter, SpeculativeDecoder, StreamingSelfDrafter
+from longspec.testing import first_difference
 from longspec.train.corpus import heldout_prompts
 
 VANILLA_HF, VANILLA_FA = "Vanilla HF", "Vanilla FA"
@@ -118,15 +119,6 @@ def run_hf(pair: Pair, prompts, new_tokens: int, temperature: float, device: str
             "tree_scratch_bytes": 0, "outputs": outputs}
 
 
-def _first_difference(a: torch.Tensor, b: torch.Tensor) -> int | None:
-    """The first generated-token index at which two outputs differ (None if equal)."""
-    n = min(a.shape[-1], b.shape[-1])
-    differ = (a[..., :n] != b[..., :n]).flatten().nonzero()
-    if differ.numel():
-        return int(differ[0]) % n
-    return None if a.shape == b.shape else n
-
-
 def bench(pair: Pair, contexts, n_prompts: int, new_tokens: int, temperatures, device: str, hf: bool,
           on_rows=None) -> list[dict]:
     """Every method at every (context, temperature); ``on_rows(rows)`` is called after each such block (so a run
@@ -144,7 +136,7 @@ def bench(pair: Pair, contexts, n_prompts: int, new_tokens: int, temperatures, d
             base = results[VANILLA_FA]
             base_outputs = base["outputs"]
             for name, r in results.items():
-                diffs = [_first_difference(a, b) for a, b in zip(r.pop("outputs"), base_outputs)]
+                diffs = [first_difference(a, b) for a, b in zip(r.pop("outputs"), base_outputs)]
                 diffs = [d for d in diffs if d is not None]
                 same = not diffs
                 rows.append({"context": ctx, "T": temperature, "method": name, **r,

@@ -39,15 +39,11 @@ class DemoReport:
     continuation: str  # plain decoding's generated text
 
 
-def _first_difference(a: torch.Tensor, b: torch.Tensor) -> int | None:
-    differ = (a != b).flatten().nonzero()
-    return int(differ[0]) if differ.numel() else None
-
-
 def run_demo(context: int = 4096, new_tokens: int = 128, device: str | None = None,
              dtype: torch.dtype = torch.float32, seed: int = 0) -> DemoReport:
     from longspec import LongSpecDrafter, PromptLookupDrafter, SpeculativeDecoder
     from longspec.pretrained import heldout_stdlib_prompt, load_code_pair
+    from longspec.testing import first_difference
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     pair = load_code_pair(device, dtype)
@@ -73,7 +69,7 @@ def run_demo(context: int = 4096, new_tokens: int = 128, device: str | None = No
         decode_s = time.perf_counter() - t0 - out.stats.time_prefill
         generated = out.sequences[:, ids.shape[1]:]
         reference = generated if reference is None else reference
-        diff = _first_difference(generated, reference)
+        diff = first_difference(generated, reference)
         results.append(DemoResult(name, out.stats.tau, out.stats.generated_tokens / decode_s, diff is None, diff))
     text = pair.tokenizer.decode(reference[0])
     return DemoReport(package, context, new_tokens, device, str(dtype).removeprefix("torch."), results, text)

@@ -23,6 +23,16 @@ class Divergence:
     margin: float
 
 
+def first_difference(got: Tensor, want: Tensor) -> Optional[int]:
+    """The first column (over all rows) at which two token batches ``[B, T]`` differ; the shorter width when one is
+    a prefix of the other; None when they are equal."""
+    if got.shape == want.shape and torch.equal(got, want):
+        return None
+    width = min(got.shape[-1], want.shape[-1])
+    differ = (got[..., :width] != want[..., :width]).nonzero()
+    return int(differ[:, -1].min()) if len(differ) else width
+
+
 @torch.no_grad()
 def first_divergence(got: Tensor, want: Tensor, reference_model, attention_mask: Optional[Tensor] = None
                      ) -> Optional[Divergence]:

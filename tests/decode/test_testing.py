@@ -25,3 +25,15 @@ def test_divergence_reports_the_reference_margin_on_the_agreed_prefix():
     logits = model(want[1:2, :22], attention_mask=attn).logits[0, -1]
     top2 = logits.topk(2).values
     assert d.margin == float(top2[0] - top2[1]) and d.margin > 0
+
+
+def test_first_difference_is_the_earliest_column_over_rows():
+    from longspec.testing import first_difference
+
+    want = torch.arange(12).view(2, 6)
+    got = want.clone()
+    assert first_difference(got, want) is None
+    got[0, 4] = -1
+    got[1, 2] = -1
+    assert first_difference(got, want) == 2
+    assert first_difference(want[:, :4], want) == 4  # a prefix: differs where the shorter one ends
