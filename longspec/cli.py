@@ -230,7 +230,9 @@ def run_demo(args: argparse.Namespace) -> int:
     from longspec.demo import run_demo as demo
 
     if args.context < 64 or args.new_tokens < 1:
-        raise SystemExit(f"--context must be >= 64 and --new-tokens >= 1, got {args.context} and {args.new_tokens}")
+        raise CLIError(f"--context must be >= 64 and --new-tokens >= 1, got {args.context} and {args.new_tokens}")
+    if args.device is not None and args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise CLIError(f"--device {args.device}: this machine has no CUDA device (torch {torch.__version__})")
     r = demo(args.context, args.new_tokens, args.device, getattr(torch, args.dtype), args.seed)
     print(f"longspec demo: the shipped code pair (target 15.7M parameters + LongSpec draft), {r.device} {r.dtype}")
     print(f"prompt: {r.context} tokens of held-out package {r.package!r} from this machine's standard library; "

@@ -4,6 +4,7 @@ from __future__ import annotations
 import types
 
 import pytest
+import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -104,5 +105,10 @@ def test_demo_runs_and_outputs_are_identical(capsys):
     out = capsys.readouterr().out
     assert "the shipped code pair" in out and "300 tokens of held-out package" in out
     assert out.count(" yes") == 4 and " NO" not in out
-    with pytest.raises(SystemExit, match="--context"):
-        main(["demo", "--context", "8", "--device", "cpu"])
+    assert main(["demo", "--context", "8", "--device", "cpu"]) == 2
+    assert "--context must be >= 64" in capsys.readouterr().err
+    assert main(["demo", "--context", str(10**8), "--device", "cpu"]) == 2  # more than the held-out stdlib holds
+    assert "held-out package" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["demo", "--device", "cuda"]) == 2
+        assert "no CUDA device" in capsys.readouterr().err
