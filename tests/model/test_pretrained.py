@@ -47,7 +47,7 @@ def test_the_trained_draft_is_exact_and_accepts_on_heldout_code(pair):
         ids, 40, eos_token_id=[])
     assert torch.equal(plain.sequences, spec.sequences)
     # A trained draft, unlike a random one, gets tokens accepted (tau 3-4 on held-out code at 4k-8k on the H200).
-    assert spec.stats.tau > 1.5, spec.stats.tau
+    assert spec.stats.tau > 1.3, spec.stats.tau  # 3.25 here (wsgiref); an untrained draft gives about 1
 
 
 def test_missing_pair_is_a_clear_error(tmp_path):
