@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device session: build the extension, run the GPU tests, then the benchmark suites, writing logs and results
 # under $OUT (default ./gpu-out). Usage: bash benchmarks/run_gpu.sh [pytest -k expression for the tests]
+# The trained pair (recipe + end-to-end benchmark) has its own script: benchmarks/run_pair.sh.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -30,11 +31,6 @@ fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   timeout 240 python3 -m pytest -q --tb=short benchmarks/test_attention.py --benchmark-enable -p no:cacheprovider > "$OUT/bench.log" 2>&1; grep -E "^E |passed|failed" "$OUT/bench.log" | head -12
   cat "$OUT/attention.md" 2>/dev/null
-fi
-if [ "${PAIR:-0}" = 1 ]; then  # the trained pair (issue 7): recipe, then the end-to-end benchmark
-  timeout 1200 python3 -m benchmarks.recipe_code_pair --out /tmp/pair --scale h200 --ablations 2>&1 | tail -3
-  cp /tmp/pair/recipe.json "$OUT/" 2>/dev/null
-  timeout 900 python3 -m benchmarks.bench_e2e --pair /tmp/pair --out "$OUT" 2>&1 | tail -40
 fi
 if [ "${E2E:-1}" = 1 ]; then
   timeout 200 python3 -m benchmarks.bench_decode --context 8192 --out "$OUT" 2>&1 | tail -12
