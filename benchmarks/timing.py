@@ -1,5 +1,10 @@
 """GPU timing helpers shared by the benchmark suites: CUDA events around graph replays or eager calls, a cold L2
-before every timed run, medians of many runs, and the two roofline ceilings measured on the same device."""
+before every timed run, medians of many runs, and the two roofline ceilings measured on the same device.
+
+Cold L2, clean: before each timed run a kernel *reads* a 256 MB buffer, so the L2 holds only clean lines of other
+data. Flushing by writing (a memset, as Triton's ``do_bench`` does) leaves the L2 full of dirty lines whose write-back
+the timed kernel then pays: on the H200 that added about 60 MB of write traffic (~14 us) to every memory-bound run
+(`benchmarks/results/h200/flush.md`)."""
 from __future__ import annotations
 
 import statistics
@@ -11,18 +16,23 @@ _L2_FLUSH_BYTES = 256 << 20  # several times the H200's 60 MB L2
 
 
 class Timer:
-    """Times a zero-argument CUDA callable. Each timed run starts with a cold L2 (a 256 MB memset outside the
-    timed region), as flash-attention's and Triton's benchmarks do."""
+    """Times a zero-argument CUDA callable. Each timed run starts with a cold, clean L2 (a 256 MB read outside the
+    timed region)."""
 
     def __init__(self, device: torch.device | str = "cuda", reps: int = 50, warmup: int = 5):
         self.device = torch.device(device)
         self.reps, self.warmup = reps, warmup
-        self._flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device=self.device)
+        self._flush = torch.zeros(_L2_FLUSH_BYTES // 4, dtype=torch.float32, device=self.device)
+        self._sink = torch.empty((), dtype=torch.float32, device=self.device)
+
+    def flush_l2(self) -> None:
+        """Evict the L2 by reading 256 MB (a sum): clean lines only, nothing left to write back."""
+        torch.sum(self._flush, dim=0, out=self._sink)
 
     def _events(self, run: Callable[[], None]) -> float:
         times = []
         for _ in range(self.reps):
-            self._flush.zero_()
+            self.flush_l2()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             run()

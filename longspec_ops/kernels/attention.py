@@ -58,7 +58,7 @@ class AttnConfig:
             ``num_sms * occupancy`` slots.
         split_rows: cache rows per KV split (rounded up to ``block_n``); ``None`` lets the shape-only split rule
             choose. Forcing a small value exercises many splits.
-        merge_block_r, merge_num_warps: tile rows and warps of the split-merge kernel.
+        merge_num_warps: warps of the split-merge kernel (its tile follows from the split count: merge_tile).
     """
 
     block_m: int
@@ -67,11 +67,10 @@ class AttnConfig:
     num_stages: int
     occupancy: int = 1
     split_rows: Optional[int] = None
-    merge_block_r: int = 32
     merge_num_warps: int = 4
 
     def __post_init__(self) -> None:
-        for name in ("block_m", "block_n", "merge_block_r"):
+        for name in ("block_m", "block_n"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"AttnConfig.{name} must be a power of two >= 16, got {value}")
@@ -90,6 +89,9 @@ class AttnConfig:
 #   * 17..64 rows: still mostly bandwidth bound; one warp group.
 #   * > 64 rows (tree verification, e.g. 69..74 tokens x G = 4): compute bound at long context (each K/V byte feeds
 #     ~300 rows); 128-row tiles run two wgmma warp groups and halve re-reads of K/V across row tiles.
+#     The last tile is mostly padding there (296 rows = 2 x 128 + 40). Tried on the H200 and dropped: that tile as a
+#     64-row tile, inside the launch (a branch on the program id: 138 vs 132 us at 32k, 449 vs 415 at 128k) or as a
+#     second launch with a 4-warp config and its own split plan (143 vs 128 us at 32k). Both were slower.
 _INF_ROWS = 1 << 30
 _SPLIT_TABLE: tuple[tuple[int, int, bool, AttnConfig], ...] = (
     # max_d, max_rows, wide, config
@@ -137,16 +139,20 @@ class HybridBackend(enum.Enum):
 
 # Kernels --------------------------------------------------------------------------------------------------------
 @triton.jit
-def _softmax_step(acc, m_i, l_i, qk, v, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One online-softmax update with scores ``qk`` [BLOCK_M, BLOCK_N] (log2 units, -inf where hidden)."""
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
+def _softmax_step(acc, m_i, l_i, qk, v, qk_scale, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One online-softmax update with raw scores ``qk`` [BLOCK_M, BLOCK_N] (-inf where hidden).
+
+    The scale (softmax scale x log2 e, > 0) is applied in the exponent, so each score costs one fused multiply-add
+    (``qk * scale - m``) before ``exp2``; the running max ``m_i`` is in scaled (log2) units.
+    """
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
     if MASKED:
         # A row that has seen nothing yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_use = m_new
     alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(qk - m_use[:, None])
+    p = tl.exp2(qk * qk_scale - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     # P goes to the tensor cores in V's dtype, as in FlashAttention; the accumulator stays float32.
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
@@ -173,7 +179,7 @@ def _attend_cache(
             key_ok = cols < end
             k = tl.load(k_ptrs, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
             v = tl.load(v_ptrs, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
             visible = key_ok[None, :] & (cols[None, :] < row_len[:, None])
             qk = tl.where(visible, qk, float("-inf"))
         else:
@@ -184,8 +190,8 @@ def _attend_cache(
             else:
                 k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
                 v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, qk, v, KEY_MASK, DOT_PRECISION)
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, qk, v, qk_scale, KEY_MASK, DOT_PRECISION)
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
     return acc, m_i, l_i
@@ -211,9 +217,9 @@ def _attend_tree(
         # Visible only where the mask is True AND the key exists AND the row exists (all three: &, never |).
         bits = tl.load(mask_rows[:, None] + cols[None, :] * stride_mn,
                        mask=row_ok[:, None] & key_ok[None, :], other=0)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         qk = tl.where(bits != 0, qk, float("-inf"))
-        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, qk, v, True, DOT_PRECISION)
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, qk, v, qk_scale, True, DOT_PRECISION)
     return acc, m_i, l_i
 
 
@@ -317,7 +323,7 @@ def _merge_splits_kernel(
     OUT,  # (B, M, Hq, D) contiguous, Q's dtype
     LSE,  # (B, Hq, M) float32, natural log
     M, HKV, R, num_splits,
-    D: tl.constexpr, D_PAD: tl.constexpr, G: tl.constexpr, BLOCK_R: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr, G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     pid_r = tl.program_id(0)
     bh = tl.program_id(1)
@@ -327,25 +333,31 @@ def _merge_splits_kernel(
     row_ok = rows < R
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < D
+    offs_s = tl.arange(0, BLOCK_S)
     ws = bh.to(tl.int64) * num_splits * R
 
-    # Two passes: the max first (lse only, cheap), then one exact weighted sum without rescaling the accumulator.
+    # BLOCK_S splits per step as one [BLOCK_R, BLOCK_S, D] tile: every load of a step is independent, so a short
+    # merge (decode: a few rows, ~16 splits) costs one memory round trip, not one per split. Online across steps.
     m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
-    for s in range(num_splits):
-        m = tl.maximum(m, tl.load(WS_LSE + ws + s * R + rows, mask=row_ok, other=float("-inf")))
-    m_use = tl.where(m == float("-inf"), 0.0, m)
     acc = tl.zeros([BLOCK_R, D_PAD], dtype=tl.float32)
     den = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for s in range(num_splits):
-        w = tl.exp2(tl.load(WS_LSE + ws + s * R + rows, mask=row_ok, other=float("-inf")) - m_use)
-        o = tl.load(WS_O + (ws + s * R) * D + (rows[:, None] * D + offs_d[None, :]),
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        acc += w[:, None] * o
-        den += w
+    for s0 in range(0, num_splits, BLOCK_S):
+        splits = s0 + offs_s
+        ok = row_ok[:, None] & (splits < num_splits)[None, :]
+        part_lse = tl.load(WS_LSE + ws + (splits[None, :] * R + rows[:, None]), mask=ok, other=float("-inf"))
+        o = tl.load(WS_O + (ws + splits[None, :, None] * R + rows[:, None, None]) * D + offs_d[None, None, :],
+                    mask=ok[:, :, None] & d_ok[None, None, :], other=0.0)
+        m_new = tl.maximum(m, tl.max(part_lse, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # all partials empty so far: weights 0, not NaN
+        alpha = tl.exp2(m - m_use)
+        w = tl.exp2(part_lse - m_use[:, None])
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 1)
+        den = den * alpha + tl.sum(w, 1)
+        m = m_new
     seen = den > 0.0
     den_safe = tl.where(seen, den, 1.0)
     out = acc / den_safe[:, None]
-    lse = tl.where(seen, (m_use + tl.log2(den_safe)) * _LN2, float("-inf"))
+    lse = tl.where(seen, (tl.where(seen, m, 0.0) + tl.log2(den_safe)) * _LN2, float("-inf"))
 
     m_r = rows // G
     h_r = hk * G + rows % G
@@ -409,6 +421,16 @@ def plan_splits(n_rows: int, base_programs: int, block_m: int, block_n: int, slo
         if best is None or cost < best[0]:
             best = (cost, splits, rows)
     return best[1], best[2]
+
+
+_MERGE_TILE_ELEMS = 4096  # float32 elements of one merge step's [rows, splits, D] tile (32 per thread at 4 warps)
+
+
+def merge_tile(num_splits: int, rows: int, d_pad: int) -> tuple[int, int]:
+    """``(BLOCK_S, BLOCK_R)`` of the split merge: up to 32 splits per step, as many rows as the tile then holds."""
+    block_s = min(32, _next_pow2(num_splits))
+    block_r = max(1, min(_next_pow2(rows), _MERGE_TILE_ELEMS // (block_s * d_pad)))
+    return block_s, block_r
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -475,10 +497,10 @@ def _attention(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not direct:
-        block_r = min(cfg.merge_block_r, max(16, _next_pow2(R)))
+        block_s, block_r = merge_tile(num_splits, R, D_PAD)
         _merge_splits_kernel[(_cdiv(R, block_r), B * Hkv)](
             ws_o, ws_lse, out, lse, M, Hkv, R, num_splits,
-            D=D, D_PAD=D_PAD, G=G, BLOCK_R=block_r, num_warps=cfg.merge_num_warps,
+            D=D, D_PAD=D_PAD, G=G, BLOCK_R=block_r, BLOCK_S=block_s, num_warps=cfg.merge_num_warps,
         )
     return out, lse
 

@@ -171,6 +171,24 @@ def test_prefix_clamps_bad_lengths(config):
     _check((out, lse), ref.prefix_attn, args, torch.float32)
 
 
+def test_prefix_merge_in_steps():
+    """38 splits: the split merge takes them 32 per step with an online rescale between steps."""
+    B, M, N, Hq, Hkv, D = 3, 3, 600, 4, 2, 64
+    cfg = K.AttnConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, split_rows=16)
+    assert K.plan_splits(N, B * Hkv, 16, 16, 8, 16)[0] == 38 and K.merge_tile(38, M * 2, 64)[0] == 32
+    q, kc, vc, _, _ = _inputs(B, M, N, Hq, Hkv, D, torch.float16, seed=21)
+    lens = torch.tensor([N, 0, 517], dtype=torch.int32, device=DEVICE)  # full, empty, ends inside the 2nd step
+    args = (q, kc, vc, lens, _scale(D))
+    _check(prefix_attn(*args, config=cfg), ref.prefix_attn, args, torch.float16)
+
+
+def test_merge_tile():
+    assert K.merge_tile(16, 4, 128) == (16, 2)  # decode: 16 splits x 2 rows x 128 = one 4096-element step
+    assert K.merge_tile(12, 296, 128) == (16, 2)
+    assert K.merge_tile(200, 296, 128) == (32, 1)  # many splits: 32 per step
+    assert K.merge_tile(2, 1, 64) == (2, 1)
+
+
 # tree_attn --------------------------------------------------------------------------------------------------------
 TREE_CONFIG = K.AttnConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)  # several row tiles and key blocks
 
