@@ -1,35 +1,36 @@
 """Sweep the split-KV kernel's launch configs on the GPU at Llama-3-8B shapes (Hq 32, Hkv 8, D 128, bf16, B 1).
 
 Prints, per (case, N), the fastest configs by CUDA-graph replay time with a cold L2, and where the table default
-ranks. Also profiles the eager per-call host cost of ``torch.ops.longspec.hybrid_tree_attn``. Usage (GPU):
+ranks. ``--flush`` compares the timer's read flush of the L2 with a memset flush; ``--eager`` measures the eager
+per-call host cost by part. Usage (GPU):
 
-    python -m benchmarks.sweep_attention [--quick]
+    python -m benchmarks.sweep_attention [--quick] [--cases tree-32768,...] [--flush] [--eager] [--out DIR]
 """
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import itertools
 import json
 import os
-import pstats
 
 import torch
+import triton
 
 from benchmarks.test_attention import Case
 from benchmarks.timing import Timer
 from longspec_ops.kernels import attention as K
 
 
-def _configs(case: str, quick: bool):
+def _configs(case: str, N: int, quick: bool):
+    # Forced split counts around the rule's choice (None): the rule trades waves of programs against merge work.
+    splits = [None] + [-(-N // s) for s in ((4, 5, 6, 8, 16) if case == "tree" else (8, 16, 32, 64))]
     if case == "tree":
-        grid = itertools.product([64, 128], [32, 64, 128], [4, 8], [2, 3, 4], [None] if quick else [None, 4096])
+        grid = itertools.product([128], [64], [8], [3, 4], splits)
+        if not quick:
+            grid = itertools.chain(grid, itertools.product([64, 128], [32, 64, 128], [4, 8], [2, 3, 4], [None]))
     else:
-        grid = itertools.product([16], [64, 128], [4], [2, 3, 4], [None, 256, 512, 1024, 2048])
+        grid = itertools.product([16], [64, 128], [4], [3, 4] if quick else [2, 3, 4], splits)
     for bm, bn, w, st, sr in grid:
-        if case == "decode" and quick and st == 2:
-            continue
         yield K.AttnConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st, split_rows=sr)
 
 
@@ -37,7 +38,7 @@ def sweep(case: str, N: int, timer: Timer, quick: bool) -> list[dict]:
     M = 74 if case == "tree" else 1
     c = Case(N, M)
     rows = []
-    for cfg in [None, *_configs(case, quick)]:
+    for cfg in [None, *_configs(case, N, quick)]:
         if case == "tree":
             fn = lambda cfg=cfg: K.hybrid_tree_attn(c.q, c.k, c.v, c.seqlens, c.k_tree, c.v_tree, c.mask, c.scale,
                                                     config=cfg)
@@ -58,41 +59,111 @@ def sweep(case: str, N: int, timer: Timer, quick: bool) -> list[dict]:
     return rows
 
 
-def eager_profile() -> str:
-    c = Case(32768, 74)
-    op = torch.ops.longspec.hybrid_tree_attn
-    args = (c.q, c.k, c.v, c.seqlens, c.k_tree, c.v_tree, c.mask, c.scale)
-    for _ in range(5):
-        op(*args)
-    torch.cuda.synchronize()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(50):
-        op(*args)
-    prof.disable()
-    torch.cuda.synchronize()
-    s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(18)
-    return s.getvalue()
+def _table(title: str, note: str, rows: list[dict]) -> str:
+    cols = list(rows[0])
+    lines = [f"# {title}", "", note, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        lines.append("| " + " | ".join(f"{v:.1f}" if isinstance(v, float) else str(v) for v in r.values()) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def flush_check(timer: Timer) -> list[dict]:
+    """Graph-replay time with the L2 flushed by a 256 MB read (the Timer's default) against a 256 MB memset (Triton's
+    ``do_bench``), which leaves dirty lines for the timed kernel to write back."""
+    from benchmarks.test_attention import longspec_decode, longspec_hybrid, sdpa_decode, torch_fa2_merge
+
+    read = timer.flush_l2
+    rows = []
+    for N in (8192, 32768, 131072):
+        for name, build, M in (("longspec hybrid_tree_attn", longspec_hybrid, 74),
+                               ("PyTorch FA2 + merge", torch_fa2_merge, 74),
+                               ("longspec prefix_attn (M=1)", longspec_decode, 1),
+                               ("SDPA decode (M=1)", sdpa_decode, 1)):
+            fn = build(Case(N, M))
+            row = {"method": name, "N": N, "read flush us": timer.graph_us(fn)}
+            timer.flush_l2 = timer._flush.zero_
+            row["memset flush us"] = timer.graph_us(fn)
+            timer.flush_l2 = read
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
+def eager_overhead() -> list[dict]:
+    """Host microseconds per eager call (N small, so the GPU never waits on nothing but the host), by part."""
+    import time
+
+    from benchmarks.test_attention import longspec_hybrid, sdpa_decode
+    from longspec_ops import _checks
+
+    @triton.jit
+    def _one_arg(X):
+        pass
+
+    def per_call(fn, n=400) -> float:
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t) / n * 1e6
+
+    x = torch.empty(16, device="cuda")
+    c, c1 = Case(1024, 74), Case(64, 1)  # c1: a 64-row cache is one split, so prefix_attn is one launch
+    parts = {
+        "torch.empty (one tensor)": lambda: torch.empty((1, 74, 32, 128), dtype=torch.bfloat16, device="cuda"),
+        "Triton launch, 1-argument empty kernel": lambda: _one_arg[(1,)](x),
+        "argument checks (check_hybrid)": lambda: _checks.check_hybrid(c.q, c.k, c.v, c.seqlens, c.k_tree, c.v_tree,
+                                                                       c.mask, c.scale),
+        "kernels.prefix_attn, 1 launch": lambda: K.prefix_attn(c1.q, c1.k, c1.v, c1.seqlens, c1.scale),
+        "torch.ops.longspec.prefix_attn, 1 launch": lambda: torch.ops.longspec.prefix_attn(c1.q, c1.k, c1.v,
+                                                                                          c1.seqlens, c1.scale),
+        "kernels.hybrid_tree_attn, 2 launches": lambda: K.hybrid_tree_attn(c.q, c.k, c.v, c.seqlens, c.k_tree,
+                                                                           c.v_tree, c.mask, c.scale),
+        "torch.ops.longspec.hybrid_tree_attn, 2 launches": longspec_hybrid(c),
+        "SDPA decode (C++ dispatch, for scale)": sdpa_decode(Case(1024, 1)),
+    }
+    rows = [{"what": name, "host us per call": per_call(fn)} for name, fn in parts.items()]
+    for r in rows:
+        print(r, flush=True)
+    return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--cases", default="tree-32768,decode-32768,tree-131072,decode-131072,tree-8192")
+    ap.add_argument("--cases", default="tree-32768,decode-32768,tree-131072,decode-131072,tree-8192",
+                    help="comma-separated <tree|decode>-<N>; empty: no config sweep")
+    ap.add_argument("--flush", action="store_true", help="also compare read and memset L2 flushes")
+    ap.add_argument("--eager", action="store_true", help="also measure eager host overhead by part")
     args = ap.parse_args()
     timer = Timer(reps=30, warmup=3)
+    sha = os.environ.get("LONGSPEC_GIT_SHA", "unknown")
+    env = f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, git {sha}"
     results = {}
-    for spec in args.cases.split(","):
+    for spec in filter(None, args.cases.split(",")):
         case, N = spec.split("-")
         results[spec] = sweep(case, int(N), timer, args.quick)
-    with open(os.path.join(args.out, "sweep.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    prof = eager_profile()
-    print(prof)
-    with open(os.path.join(args.out, "eager_profile.txt"), "w") as f:
-        f.write(prof)
+    if results:
+        with open(os.path.join(args.out, "sweep.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    for flag, name, fn, title, note in (
+        (args.flush, "flush", lambda: flush_check(timer), "L2 flush: read vs memset",
+         f"CUDA-graph replay, Llama-3-8B attention shapes, median of 30 ({env}). `python -m "
+         "benchmarks.sweep_attention --cases '' --flush`"),
+        (args.eager, "eager", eager_overhead, "Eager host overhead per call",
+         f"Host time per call, 400 calls, small N so the GPU waits on the host ({env}). `python -m "
+         "benchmarks.sweep_attention --cases '' --eager`"),
+    ):
+        if flag:
+            rows = fn()
+            with open(os.path.join(args.out, f"{name}.json"), "w") as f:
+                json.dump({"env": env, "rows": rows}, f, indent=1)
+            with open(os.path.join(args.out, f"{name}.md"), "w") as f:
+                f.write(_table(title, note, rows))
 
 
 if __name__ == "__main__":
