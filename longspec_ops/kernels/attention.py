@@ -84,8 +84,8 @@ class AttnConfig:
 # show no register spills; registers/smem at D = 128: 16 rows 168 regs 70 KiB, 32 rows 238 regs 76 KiB, 64 rows
 # 255 regs 114 KiB, 128 rows (8 warps) 228 regs 132 KiB.
 #   * <= 16 rows (decode, M = 1 with G <= 16): memory bound. 3 stages of 128-row K and V blocks (cp.async); swept
-#     on the H200 (benchmarks/sweep_attention.py): 52.5 us at 32k and 141 us at 128k against 58 / 149 for 64-row
-#     blocks with two programs per SM.
+#     on the H200 (benchmarks/sweep_attention.py, results/h200/sweep.json): 39.4 us at 32k with the rule's 16 splits,
+#     44-52 us with 8 / 32 / 64 forced splits, 39.7-42.8 us with 64-row blocks (repeat runs differ by ~1 us).
 #   * 17..64 rows: still mostly bandwidth bound; one warp group.
 #   * > 64 rows (tree verification, e.g. 69..74 tokens x G = 4): compute bound at long context (each K/V byte feeds
 #     ~300 rows); 128-row tiles run two wgmma warp groups and halve re-reads of K/V across row tiles.
