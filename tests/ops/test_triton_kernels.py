@@ -226,7 +226,7 @@ HYBRID_CASES = [(64, 1, 0, False), (96, 5, 97, True), (64, 19, 300, True)]
 @pytest.mark.parametrize("Hq,Hkv", HEADS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_hybrid(dtype, Hq, Hkv, D, M, N, strided, config):
-    """Fused (tree block = last split) against the reference: prefix + tree merged by LSE."""
+    """Fused (the tree block in the last split) against the reference: prefix + tree merged by LSE."""
     B = 2
     q, kc, vc, kt, vt = _inputs(B, M, N, Hq, Hkv, D, dtype, strided, seed=11 + M)
     lens = _ragged_lens(B, N, seed=12)  # row 1 has an empty cache ...
@@ -260,7 +260,7 @@ def test_hybrid_composed_backend(dtype):
 
 
 def test_hybrid_beam_tree_many_splits():
-    """The 4-16-16-16-16 tree (69 tokens) after a 300-row cache, strided inputs, 7 cache splits + the tree split."""
+    """The 4-16-16-16-16 tree (69 tokens) after a 300-row cache, strided inputs, 7 cache splits, the tree in the last."""
     B, N, Hq, Hkv, D = 2, 300, 4, 2, 64
     mask = beam_tree_mask((4, 16, 16, 16, 16), B, torch.Generator().manual_seed(17)).to(DEVICE)
     M = mask.shape[1]
