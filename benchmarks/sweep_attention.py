@@ -67,12 +67,18 @@ def _table(title: str, note: str, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+class _MemsetFlushTimer(Timer):
+    """Triton's ``do_bench`` flush: a 256 MB memset, leaving dirty lines for the timed kernel to write back."""
+
+    def flush_l2(self) -> None:
+        self._flush.zero_()
+
+
 def flush_check(timer: Timer) -> list[dict]:
-    """Graph-replay time with the L2 flushed by a 256 MB read (the Timer's default) against a 256 MB memset (Triton's
-    ``do_bench``), which leaves dirty lines for the timed kernel to write back."""
+    """Graph-replay time with the L2 flushed by a 256 MB read (the Timer's default) against a 256 MB memset."""
     from benchmarks.test_attention import longspec_decode, longspec_hybrid, sdpa_decode, torch_fa2_merge
 
-    read = timer.flush_l2
+    memset = _MemsetFlushTimer(reps=timer.reps, warmup=timer.warmup)
     rows = []
     for N in (8192, 32768, 131072):
         for name, build, M in (("longspec hybrid_tree_attn", longspec_hybrid, 74),
@@ -80,17 +86,14 @@ def flush_check(timer: Timer) -> list[dict]:
                                ("longspec prefix_attn (M=1)", longspec_decode, 1),
                                ("SDPA decode (M=1)", sdpa_decode, 1)):
             fn = build(Case(N, M))
-            row = {"method": name, "N": N, "read flush us": timer.graph_us(fn)}
-            timer.flush_l2 = timer._flush.zero_
-            row["memset flush us"] = timer.graph_us(fn)
-            timer.flush_l2 = read
+            row = {"method": name, "N": N, "read flush us": timer.graph_us(fn), "memset flush us": memset.graph_us(fn)}
             rows.append(row)
             print(row, flush=True)
     return rows
 
 
 def eager_overhead() -> list[dict]:
-    """Host microseconds per eager call (N small, so the GPU never waits on nothing but the host), by part."""
+    """Host microseconds per eager call, by part (N small, so the GPU only ever waits for the host)."""
     import time
 
     from benchmarks.test_attention import longspec_hybrid, sdpa_decode

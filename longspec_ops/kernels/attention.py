@@ -470,7 +470,7 @@ def _attention(
     if has_cache:
         slots = _num_sms(q.device) * cfg.occupancy
         n_cache, split_rows = plan_splits(N, B * Hkv * row_tiles, cfg.block_m, cfg.block_n, slots, cfg.split_rows)
-    num_splits = max(1, n_cache)  # the tree keys, if any, go to the last split (the only one without a cache)
+    num_splits = max(1, n_cache)  # the tree keys, if any, join the last split (the only split without a cache)
     direct = num_splits == 1
 
     # Unused pointer arguments get q (never dereferenced: their code is compiled out by the constexpr flags).
