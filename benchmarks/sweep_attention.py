@@ -2,9 +2,9 @@
 
 Prints, per (case, N), the fastest configs by CUDA-graph replay time with a cold L2, and where the table default
 ranks. ``--flush`` compares the timer's read flush of the L2 with a memset flush; ``--eager`` measures the eager
-per-call host cost by part. Usage (GPU):
+per-call host cost by part; ``--paths`` toggles TMA cache loads and the PDL merge launch. Usage (GPU):
 
-    python -m benchmarks.sweep_attention [--quick] [--cases tree-32768,...] [--flush] [--eager] [--out DIR]
+    python -m benchmarks.sweep_attention [--quick] [--cases tree-32768,...] [--flush] [--eager] [--paths] [--out DIR]
 """
 from __future__ import annotations
 
@@ -92,6 +92,31 @@ def flush_check(timer: Timer) -> list[dict]:
     return rows
 
 
+def load_paths(timer: Timer) -> list[dict]:
+    """The split kernel's cache loads (TMA descriptors or pointers) and the merge launch (PDL or plain), each
+    toggled against the default (both on), at the table configs and split counts."""
+    import dataclasses
+
+    rows = []
+    for N in (8192, 32768, 131072):
+        for case, M in (("hybrid_tree_attn (M=74)", 74), ("prefix_attn (M=1)", 1)):
+            c = Case(N, M)
+            base = K.split_config(c.q.shape[3], M * (c.q.shape[2] // c.k.shape[2]), c.q.dtype)
+            row = {"op": case, "N": N}
+            for label, tma, pdl in (("TMA + PDL us", True, True), ("pointers + PDL us", False, True),
+                                    ("TMA, plain launch us", True, False), ("pointers, plain launch us", False, False)):
+                cfg = dataclasses.replace(base, tma=tma, pdl=pdl)
+                if M > 1:
+                    fn = lambda cfg=cfg: K.hybrid_tree_attn(c.q, c.k, c.v, c.seqlens, c.k_tree, c.v_tree, c.mask,
+                                                            c.scale, config=cfg)
+                else:
+                    fn = lambda cfg=cfg: K.prefix_attn(c.q, c.k, c.v, c.seqlens, c.scale, config=cfg)
+                row[label] = timer.graph_us(fn)
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
 def eager_overhead() -> list[dict]:
     """Host microseconds per eager call, by part (N small, so the GPU only ever waits for the host)."""
     import time
@@ -142,6 +167,7 @@ def main() -> None:
                     help="comma-separated <tree|decode>-<N>; empty: no config sweep")
     ap.add_argument("--flush", action="store_true", help="also compare read and memset L2 flushes")
     ap.add_argument("--eager", action="store_true", help="also measure eager host overhead by part")
+    ap.add_argument("--paths", action="store_true", help="also compare TMA/pointer loads and PDL/plain merge launch")
     args = ap.parse_args()
     timer = Timer(reps=30, warmup=3)
     sha = os.environ.get("LONGSPEC_GIT_SHA", "unknown")
@@ -157,6 +183,9 @@ def main() -> None:
         (args.flush, "flush", lambda: flush_check(timer), "L2 flush: read vs memset",
          f"CUDA-graph replay, Llama-3-8B attention shapes, median of 30 ({env}). `python -m "
          "benchmarks.sweep_attention --cases '' --flush`"),
+        (args.paths, "paths", lambda: load_paths(Timer(reps=100, warmup=3)), "Cache loads and merge launch",
+         f"CUDA-graph replay, cold L2, median of 100, Llama-3-8B attention shapes, table configs ({env}). `python -m "
+         "benchmarks.sweep_attention --cases '' --paths`"),
         (args.eager, "eager", eager_overhead, "Eager host overhead per call",
          f"Host time per call, 400 calls, small N so the GPU waits on the host ({env}). `python -m "
          "benchmarks.sweep_attention --cases '' --eager`"),

@@ -17,6 +17,10 @@ One kernel family serves the three ops:
   part of the last split, the prefix/tree merge of hybrid tree attention costs nothing extra (a tree split of its
   own cost 24 more programs and partials at Llama-3-8B shapes for ~2.5% of one split's keys).
 
+On sm_90+ GPUs the cache blocks of 16-bit caches with 16-byte aligned layouts arrive by TMA (host-built tensor
+descriptors; other caches use pointer loads), and the merge is launched with programmatic dependent launch (PDL) so
+it is resident before the split kernel ends (each measured on and off: benchmarks/results/h200/paths.md).
+
 The number of splits depends only on shapes (cache capacity N, B, Hkv, M, the SM count), never on tensor values,
 so launches are CUDA-graph capturable; lengths are read (and clamped into ``[0, N]``) on the device.
 
@@ -43,6 +47,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..reference import attention as _ref
 
@@ -61,6 +67,10 @@ class AttnConfig:
         split_rows: cache rows per KV split (rounded up to ``block_n``); ``None`` lets the shape-only split rule
             choose. Forcing a small value exercises many splits.
         merge_num_warps: warps of the split-merge kernel (its tile follows from the split count: merge_tile).
+        tma: load K/V cache blocks with TMA descriptors where possible (:func:`tma_eligible`); False forces
+            pointer loads.
+        pdl: launch the split merge with programmatic dependent launch on sm_90+ GPUs, so it is resident and
+            waiting when the split kernel ends; False: a plain launch.
     """
 
     block_m: int
@@ -70,6 +80,8 @@ class AttnConfig:
     occupancy: int = 1
     split_rows: Optional[int] = None
     merge_num_warps: int = 4
+    tma: bool = True
+    pdl: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -169,14 +181,30 @@ def _attend_cache(
     start, end,  # key rows [start, end); start - split start is a multiple of BLOCK_N
     row_len,  # [BLOCK_M] visible prefix length of each tile row
     qk_scale, offs_n, offs_d, d_ok,
-    KEY_MASK: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    k_desc, v_desc, b, hk,  # TMA descriptors of the [B, N, Hkv, D] caches, and this program's (batch, kv head)
+    KEY_MASK: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     # Advance pointers instead of recomputing n * stride: the scalar start offset is 64-bit (1M-row caches),
     # the per-tile offsets stay 32-bit.
     k_ptrs = k_base + start.to(tl.int64) * stride_kn + (offs_n[:, None] * stride_kn + offs_d[None, :])
     v_ptrs = v_base + start.to(tl.int64) * stride_vn + (offs_n[:, None] * stride_vn + offs_d[None, :])
     for n0 in range(start, end, BLOCK_N):
-        if KEY_MASK:
+        if USE_TMA:
+            # TMA (Hopper's tensor memory accelerator) copies the [BLOCK_N, D_PAD] block into shared memory
+            # asynchronously; rows past N and columns past D arrive as zeros.
+            k = k_desc.load([b, n0, hk, 0]).reshape(BLOCK_N, D_PAD)
+            v = v_desc.load([b, n0, hk, 0]).reshape(BLOCK_N, D_PAD)
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            if KEY_MASK:
+                cols = n0 + offs_n
+                key_ok = cols < end
+                visible = key_ok[None, :] & (cols[None, :] < row_len[:, None])
+                qk = tl.where(visible, qk, float("-inf"))
+                # Rows in [end, N) are loaded too and may hold anything (unwritten cache capacity): p = 0 there,
+                # but 0 * NaN = NaN, so zero V's hidden rows as the masked pointer loads do.
+                v = tl.where(key_ok[:, None], v, 0.0)
+        elif KEY_MASK:
             cols = n0 + offs_n
             key_ok = cols < end
             k = tl.load(k_ptrs, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
@@ -229,6 +257,7 @@ def _attend_tree(
 def _split_attn_kernel(
     Q,  # (B, M, Hq, D), any strides with stride(-1) == 1
     K, V,  # (B, N, Hkv, D) cache, stride(-1) == 1
+    KD, VD,  # TMA descriptors of K and V, block [1, BLOCK_N, 1, D_PAD]  [USE_TMA]
     LENS,  # (B,) or (B, M) int32/int64 visible prefix lengths (clamped into [0, N] here)
     KT, VT,  # (B, M, Hkv, D) tree keys/values, stride(-1) == 1
     TMASK,  # (B, M, M) uint8 view of the bool tree mask
@@ -249,8 +278,12 @@ def _split_attn_kernel(
     D: tl.constexpr, D_PAD: tl.constexpr, G: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TREE_BLOCK_N: tl.constexpr,
     HAS_CACHE: tl.constexpr, HAS_TREE: tl.constexpr, DIRECT_OUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:
+        # Programmatic dependent launch: the merge kernel may start launching now; it waits (gdc_wait) for this
+        # grid to finish and its writes to be visible before reading the partials.
+        gdc_launch_dependents()
     # Row tiles vary fastest so the programs that share one K/V split run together and re-reads hit L2.
     pid_r = tl.program_id(0)
     split = tl.program_id(1)
@@ -286,11 +319,11 @@ def _split_attn_kernel(
         k_base = K + b * stride_kb + hk * stride_kh
         v_base = V + b * stride_vb + hk * stride_vh
         acc, m_i, l_i = _attend_cache(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, lo, full_end,
-                                      row_len, qk_scale, offs_n, offs_d, d_ok,
-                                      False, EVEN_D, BLOCK_N, DOT_PRECISION)
+                                      row_len, qk_scale, offs_n, offs_d, d_ok, KD, VD, bh // HKV, hk,
+                                      False, EVEN_D, BLOCK_N, D_PAD, DOT_PRECISION, USE_TMA)
         acc, m_i, l_i = _attend_cache(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, full_end, hi,
-                                      row_len, qk_scale, offs_n, offs_d, d_ok,
-                                      True, EVEN_D, BLOCK_N, DOT_PRECISION)
+                                      row_len, qk_scale, offs_n, offs_d, d_ok, KD, VD, bh // HKV, hk,
+                                      True, EVEN_D, BLOCK_N, D_PAD, DOT_PRECISION, USE_TMA)
 
     if HAS_TREE:
         n_keys = tl.where(split == num_splits - 1, M, 0)
@@ -326,7 +359,10 @@ def _merge_splits_kernel(
     LSE,  # (B, Hq, M) float32, natural log
     M, HKV, R, num_splits,
     D: tl.constexpr, D_PAD: tl.constexpr, G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        gdc_wait()  # the split kernel's partials are complete and visible past this point
     pid_r = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // HKV).to(tl.int64)
@@ -392,6 +428,30 @@ def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return _INTERPRETER_SMS
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
+
+
+def _has_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch: sm_90+ (the interpreter cannot run its PTX)."""
+    return _capability(device) >= (9, 0)
+
+
+def tma_eligible(cache: Tensor) -> bool:
+    """Whether a ``[B, N, Hkv, D]`` cache can be read through a TMA descriptor: a 16-bit dtype (the tensor-core
+    path), a 16-byte aligned base, 16-byte multiple strides and a contiguous last dim, on an sm_90+ GPU or in the
+    Triton interpreter (which emulates descriptors, so the CPU tests run this path). Other caches use pointer loads.
+    """
+    if cache.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if cache.device.type == "cuda" and _capability(cache.device) < (9, 0):
+        return False
+    elt = cache.element_size()
+    return (cache.data_ptr() % 16 == 0 and cache.stride(-1) == 1
+            and all(st * elt % 16 == 0 for st in cache.stride()[:-1]))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -488,21 +548,30 @@ def _attention(
     def s3(t):  # (batch, row, head) strides of a [B, S, H, D] tensor
         return (t.stride(0), t.stride(1), t.stride(2)) if t.dim() == 4 else (0, 0, 0)
 
+    use_tma = cfg.tma and has_cache and tma_eligible(k) and tma_eligible(v)
+    if use_tma:
+        block = [1, cfg.block_n, 1, D_PAD]
+        kd = TensorDescriptor(k, list(k.shape), list(k.stride()), block)
+        vd = TensorDescriptor(v, list(v.shape), list(v.stride()), block)
+    else:
+        kd, vd = q, q  # unused
+    pdl = cfg.pdl and not direct and _has_pdl(q.device)
     _split_attn_kernel[(row_tiles, num_splits, B * Hkv)](
-        q, k, v, lens, kt, vt, mask, out, lse, ws_o, ws_lse,
+        q, k, v, kd, vd, lens, kt, vt, mask, out, lse, ws_o, ws_lse,
         *s3(q), *s3(k), *s3(v), *lens_strides, *s3(kt), *s3(vt),
         *((mask.stride(0), mask.stride(1), mask.stride(2)) if tree is not None else (0, 0, 0)),
         M, N, Hkv, R, split_rows, num_splits, scale * _LOG2E,
         D=D, D_PAD=D_PAD, G=G, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TREE_BLOCK_N=tree_block_n,
         HAS_CACHE=has_cache, HAS_TREE=tree is not None, DIRECT_OUT=direct,
-        DOT_PRECISION=_dot_precision(q.dtype),
+        DOT_PRECISION=_dot_precision(q.dtype), USE_TMA=use_tma, PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not direct:
         block_s, block_r = merge_tile(num_splits, R, D_PAD)
         _merge_splits_kernel[(_cdiv(R, block_r), B * Hkv)](
             ws_o, ws_lse, out, lse, M, Hkv, R, num_splits,
-            D=D, D_PAD=D_PAD, G=G, BLOCK_R=block_r, BLOCK_S=block_s, num_warps=cfg.merge_num_warps,
+            D=D, D_PAD=D_PAD, G=G, BLOCK_R=block_r, BLOCK_S=block_s, PDL=pdl,
+            num_warps=cfg.merge_num_warps, launch_pdl=pdl,
         )
     return out, lse
 
@@ -588,6 +657,7 @@ __all__ = [
     "plan_splits",
     "prefix_attn",
     "split_config",
+    "tma_eligible",
     "tree_attn",
     "tree_config",
 ]

@@ -8,6 +8,7 @@ slice of it (the reference's [B, H, M, N] scores bound what fits).
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -120,6 +121,33 @@ def test_large_contexts(B, M, N, heads, D, dtype):
 @pytest.mark.parametrize("M,N", [(69, 1025), (1, 97), (128, 8192)])
 def test_non_contiguous(M, N):
     _run(3, M, N, (32, 8), 128, torch.bfloat16, strided=True)
+
+
+@pytest.mark.parametrize("M,N", [(74, 8192), (1, 32768)])
+@pytest.mark.parametrize("tma,pdl", [(False, False), (True, False), (False, True)])
+def test_load_and_launch_paths(M, N, tma, pdl):
+    """The default path (TMA loads, PDL merge launch on sm_90+) runs in every other test; here the pointer loads
+    and the plain merge launch, each alone, with cache rows past the lengths holding NaN (never read into out)."""
+    from longspec_ops.kernels import attention as K
+
+    B, heads, D = 3, (32, 8), 128
+    q, kc, vc, kt, vt, lens = _inputs(B, M, N, heads, D, torch.bfloat16, False, 41 + M)
+    mask = _mask(B, M, 42)
+    hidden = torch.arange(N, device="cuda")[None, :] >= lens[:, None]
+    dirty_k, dirty_v = kc.clone(), vc.clone()
+    dirty_k[hidden], dirty_v[hidden] = float("nan"), float("nan")
+    cfg = dataclasses.replace(K.split_config(D, M * 4, torch.bfloat16), tma=tma, pdl=pdl)
+    scale = 1 / math.sqrt(D)
+    vis = torch.cat([ref.prefix_visibility(lens, M, N), mask], dim=-1)
+    keys, vals = torch.cat([kc, kt], 1), torch.cat([vc, vt], 1)
+    ref_out, ref_lse = ref.masked_attention(q.float(), keys.float(), vals.float(), vis, scale)
+    lp = _lowp_masked(q, keys, vals, vis, scale)
+    out, lse = K.hybrid_tree_attn(q, dirty_k, dirty_v, lens, kt, vt, mask, scale, config=cfg)
+    _check("hybrid_tree_attn", out, lse, ref_out, ref_lse, *lp)
+    pvis = ref.prefix_visibility(lens, M, N)
+    ref_out, ref_lse = ref.masked_attention(q.float(), kc.float(), vc.float(), pvis, scale)
+    out, lse = K.prefix_attn(q, dirty_k, dirty_v, lens, scale, config=cfg)
+    _check("prefix_attn", out, lse, ref_out, ref_lse, *_lowp_masked(q, kc, vc, pvis, scale))
 
 
 def test_per_query_lengths_and_draft_cross():

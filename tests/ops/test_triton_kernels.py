@@ -30,8 +30,9 @@ DTYPES = [torch.float16, torch.float32] + ([] if INTERPRET else [torch.bfloat16]
 HEADS = [(4, 2), (6, 1), (4, 4)]  # (Hq, Hkv): G = 2, 6, 1
 OUT_FLOOR = 1e-6  # absolute floor on out: covers cases where the same-precision reference is exact
 LSE_FLOOR = 1e-5  # lse is float32 in both; this covers fp32 rounding of a different summation order
-# Tiny tiles and a forced split size: many splits, many row tiles and many key blocks even at small shapes.
-SPLIT = K.AttnConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, split_rows=48)
+# Tiny tiles and a forced split size: many splits, many row tiles and many key blocks even at small shapes. The
+# table configs read 16-bit caches through TMA descriptors (the interpreter emulates them); split48 uses pointers.
+SPLIT = K.AttnConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, split_rows=48, tma=False)
 CONFIGS = {"table": None, "split48": SPLIT}
 
 
@@ -180,6 +181,49 @@ def test_prefix_merge_in_steps():
     lens = torch.tensor([N, 0, 517], dtype=torch.int32, device=DEVICE)  # full, empty, ends inside the 2nd step
     args = (q, kc, vc, lens, _scale(D))
     _check(prefix_attn(*args, config=cfg), ref.prefix_attn, args, torch.float16)
+
+
+@pytest.mark.parametrize("tma", [True, False])
+def test_unwritten_cache_rows_are_never_used(tma):
+    """Cache rows at or past a row's length may hold anything (unwritten capacity): NaN/inf there must not leak into
+    the output. TMA loads whole blocks, so its ragged block zeroes V's hidden rows (0 * NaN = NaN otherwise)."""
+    B, M, N, Hq, Hkv, D = 2, 5, 97, 4, 2, 64
+    q, kc, vc, kt, vt = _inputs(B, M, N, Hq, Hkv, D, torch.float16, seed=31)
+    lens = torch.tensor([70, 33], dtype=torch.int32, device=DEVICE)
+    hidden = torch.arange(N, device=DEVICE)[None, :] >= lens[:, None]  # [B, N]
+    dirty_k, dirty_v = kc.clone(), vc.clone()
+    dirty_k[hidden] = float("nan")
+    dirty_v[hidden] = float("inf")
+    mask = _random_mask(B, M, seed=32, empty_rows=())
+    cfg = K.AttnConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, split_rows=32, tma=tma)
+    assert K.tma_eligible(dirty_k) and K.tma_eligible(dirty_v)
+    args = (q, kc, vc, lens, kt, vt, mask, _scale(D))
+    _check(hybrid_tree_attn(q, dirty_k, dirty_v, lens, kt, vt, mask, _scale(D), config=cfg),
+           ref.hybrid_tree_attn, args, torch.float16)
+    _check(prefix_attn(q, dirty_k, dirty_v, lens, _scale(D), config=cfg), ref.prefix_attn,
+           (q, kc, vc, lens, _scale(D)), torch.float16)
+
+
+def test_tma_eligible():
+    """TMA needs 16-bit data, a 16-byte aligned base and 16-byte multiple strides; other caches use pointers."""
+    B, N, Hkv, D = 2, 50, 2, 64
+    kc = torch.randn(B, N, Hkv, D, dtype=torch.float16, device=DEVICE)
+    assert K.tma_eligible(kc) and K.tma_eligible(kc.transpose(1, 2).contiguous().transpose(1, 2))
+    assert not K.tma_eligible(kc.float())
+    shifted = torch.randn(B * N * Hkv * D + 1, dtype=torch.float16, device=DEVICE)[1:].view(B, N, Hkv, D)
+    assert not K.tma_eligible(shifted)  # base 2 bytes past an aligned address
+    odd = torch.randn(B, N, Hkv, D + 4, dtype=torch.float16, device=DEVICE)[..., :D]
+    assert not K.tma_eligible(odd)  # row stride of 68 halves = 136 bytes
+    # Both run the pointer path and are still exact.
+    M, Hq = 5, 4
+    q, _, _, kt, vt = _inputs(B, M, N, Hq, Hkv, D, torch.float16, seed=33)
+    lens = torch.tensor([N, 17], dtype=torch.int32, device=DEVICE)
+    shifted.copy_(kc)
+    odd.copy_(kc)
+    vc = torch.randn_like(kc)
+    for cache in (shifted, odd):
+        args = (q, cache, vc, lens, _scale(D))
+        _check(prefix_attn(*args), ref.prefix_attn, args, torch.float16)
 
 
 def test_merge_tile():
