@@ -138,6 +138,15 @@ def eager_overhead() -> list[dict]:
         torch.cuda.synchronize()
         return (time.perf_counter() - t) / n * 1e6
 
+    import dataclasses
+
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    def tma(case):  # the table config with TMA loads forced (eager calls default to pointer loads)
+        base = K.split_config(case.q.shape[3], case.q.shape[1] * (case.q.shape[2] // case.k.shape[2]), case.q.dtype)
+        return dataclasses.replace(base, tma=True)
+
+    block = [1, 64, 1, 128]
     x = torch.empty(16, device="cuda")
     c, c1 = Case(1024, 74), Case(64, 1)  # c1: a 64-row cache is one split, so prefix_attn is one launch
     parts = {
@@ -151,6 +160,12 @@ def eager_overhead() -> list[dict]:
         "kernels.hybrid_tree_attn, 2 launches": lambda: K.hybrid_tree_attn(c.q, c.k, c.v, c.seqlens, c.k_tree,
                                                                            c.v_tree, c.mask, c.scale),
         "torch.ops.longspec.hybrid_tree_attn, 2 launches": longspec_hybrid(c),
+        "kernels.prefix_attn, 1 launch, TMA loads": lambda: K.prefix_attn(c1.q, c1.k, c1.v, c1.seqlens, c1.scale,
+                                                                        config=tma(c1)),
+        "kernels.hybrid_tree_attn, 2 launches, TMA loads": lambda: K.hybrid_tree_attn(
+            c.q, c.k, c.v, c.seqlens, c.k_tree, c.v_tree, c.mask, c.scale, config=tma(c)),
+        "two TensorDescriptor objects": lambda: (TensorDescriptor(c.k, list(c.k.shape), list(c.k.stride()), block),
+                                                 TensorDescriptor(c.v, list(c.v.shape), list(c.v.stride()), block)),
         "SDPA decode (C++ dispatch, for scale)": sdpa_decode(Case(1024, 1)),
     }
     rows = [{"what": name, "host us per call": per_call(fn)} for name, fn in parts.items()]

@@ -9,6 +9,7 @@ slice of it (the reference's [B, H, M, N] scores bound what fits).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 import longspec_ops
+from longspec_ops.kernels import attention as K
 from longspec_ops.reference import attention as ref
 
 from ..conftest import requires_cuda
@@ -83,7 +85,9 @@ def _check(name, out, lse, ref_out, ref_lse, lp_out, lp_lse):
     assert lerr <= 2 * lbase + 1e-3, f"{name}: lse error {lerr:.3e} > 2 x torch {lbase:.3e}"
 
 
-def _run(B, M, N, heads, D, dtype, strided=False):
+def _run(B, M, N, heads, D, dtype, strided=False, tma=None):
+    """The three attention ops against the references; ``tma`` set: the kernels with that cache-load choice (the
+    public ops run eager here, so they load with pointers; TMA is their path inside CUDA graphs)."""
     seed = hash((B, M, N, heads, D, str(dtype), strided)) % (2**31)
     q, kc, vc, kt, vt, lens = _inputs(B, M, N, heads, D, dtype, strided, seed)
     mask = _mask(B, M, seed)
@@ -93,13 +97,19 @@ def _run(B, M, N, heads, D, dtype, strided=False):
     keys, vals = torch.cat([kc, kt], 1), torch.cat([vc, vt], 1)
     ref_out, ref_lse = ref.masked_attention(f32[0], keys.float(), vals.float(), vis, scale)
     lp_out, lp_lse = _lowp_masked(q, keys, vals, vis, scale)
-    out, lse = longspec_ops.hybrid_tree_attn(q, kc, vc, lens, kt, vt, mask, scale)
+    if tma is None:
+        hybrid, prefix = longspec_ops.hybrid_tree_attn, longspec_ops.prefix_attn
+    else:
+        cfg = dataclasses.replace(K.split_config(D, M * (heads[0] // heads[1]), dtype), tma=tma)
+        hybrid = functools.partial(K.hybrid_tree_attn, config=cfg)
+        prefix = functools.partial(K.prefix_attn, config=cfg)
+    out, lse = hybrid(q, kc, vc, lens, kt, vt, mask, scale)
     _check("hybrid_tree_attn", out, lse, ref_out, ref_lse, lp_out, lp_lse)
 
     pvis = ref.prefix_visibility(lens, M, N)
     ref_out, ref_lse = ref.masked_attention(f32[0], f32[1], f32[2], pvis, scale)
     lp_out, lp_lse = _lowp_masked(q, kc, vc, pvis, scale)
-    out, lse = longspec_ops.prefix_attn(q, kc, vc, lens, scale)
+    out, lse = prefix(q, kc, vc, lens, scale)
     _check("prefix_attn", out, lse, ref_out, ref_lse, lp_out, lp_lse)
 
     ref_out, ref_lse = ref.masked_attention(f32[0], f32[3], f32[4], mask, scale)
@@ -118,6 +128,18 @@ def test_large_contexts(B, M, N, heads, D, dtype):
     _run(B, M, N, heads, D, dtype, strided=(M == 74))
 
 
+# TMA cache loads, forced in eager calls: every M, cache sizes around the block and split edges, odd GQA groups,
+# both head dims and dtypes, contiguous and strided caches.
+TMA = [(3, m, n, h, d, dt, st) for (m, n, h, d, dt, st) in itertools.product(
+    MS, [97, 1025, 8192], [(32, 8), (28, 4), (14, 2)], [64, 128], DTYPES, [False, True])
+    if (MS.index(m) + [97, 1025, 8192].index(n) + d // 64 + st) % 3 == 0]
+
+
+@pytest.mark.parametrize("B,M,N,heads,D,dtype,strided", TMA)
+def test_tma_grid(B, M, N, heads, D, dtype, strided):
+    _run(B, M, N, heads, D, dtype, strided, tma=True)
+
+
 @pytest.mark.parametrize("M,N", [(69, 1025), (1, 97), (128, 8192)])
 def test_non_contiguous(M, N):
     _run(3, M, N, (32, 8), 128, torch.bfloat16, strided=True)
@@ -128,8 +150,6 @@ def test_non_contiguous(M, N):
 def test_load_and_launch_paths(M, N, tma, pdl):
     """The default path (TMA loads, PDL merge launch on sm_90+) runs in every other test; here the pointer loads
     and the plain merge launch, each alone, with cache rows past the lengths holding NaN (never read into out)."""
-    from longspec_ops.kernels import attention as K
-
     B, heads, D = 3, (32, 8), 128
     q, kc, vc, kt, vt, lens = _inputs(B, M, N, heads, D, torch.bfloat16, False, 41 + M)
     mask = _mask(B, M, 42)
@@ -191,6 +211,8 @@ def test_opcheck_cuda(name):
 
 @pytest.mark.parametrize("name", OP_NAMES)
 def test_cuda_graph_capture(name):
+    """Replay equals an eager call bit for bit; for the attention ops that also compares the split kernel's TMA
+    cache loads (used inside graphs) with its pointer loads (eager)."""
     args = _op_args()[name]
     op = getattr(torch.ops.longspec, name)
     fresh = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
