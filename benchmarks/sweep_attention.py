@@ -142,9 +142,9 @@ def eager_overhead() -> list[dict]:
 
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    def tma(case):  # the table config with TMA loads forced (eager calls default to pointer loads)
+    def pointers(case):  # the table config with pointer cache loads instead of TMA
         base = K.split_config(case.q.shape[3], case.q.shape[1] * (case.q.shape[2] // case.k.shape[2]), case.q.dtype)
-        return dataclasses.replace(base, tma=True)
+        return dataclasses.replace(base, tma=False)
 
     block = [1, 64, 1, 128]
     x = torch.empty(16, device="cuda")
@@ -160,10 +160,10 @@ def eager_overhead() -> list[dict]:
         "kernels.hybrid_tree_attn, 2 launches": lambda: K.hybrid_tree_attn(c.q, c.k, c.v, c.seqlens, c.k_tree,
                                                                            c.v_tree, c.mask, c.scale),
         "torch.ops.longspec.hybrid_tree_attn, 2 launches": longspec_hybrid(c),
-        "kernels.prefix_attn, 1 launch, TMA loads": lambda: K.prefix_attn(c1.q, c1.k, c1.v, c1.seqlens, c1.scale,
-                                                                        config=tma(c1)),
-        "kernels.hybrid_tree_attn, 2 launches, TMA loads": lambda: K.hybrid_tree_attn(
-            c.q, c.k, c.v, c.seqlens, c.k_tree, c.v_tree, c.mask, c.scale, config=tma(c)),
+        "kernels.prefix_attn, 1 launch, pointer loads": lambda: K.prefix_attn(
+            c1.q, c1.k, c1.v, c1.seqlens, c1.scale, config=pointers(c1)),
+        "kernels.hybrid_tree_attn, 2 launches, pointer loads": lambda: K.hybrid_tree_attn(
+            c.q, c.k, c.v, c.seqlens, c.k_tree, c.v_tree, c.mask, c.scale, config=pointers(c)),
         "two TensorDescriptor objects": lambda: (TensorDescriptor(c.k, list(c.k.shape), list(c.k.stride()), block),
                                                  TensorDescriptor(c.v, list(c.v.shape), list(c.v.stride()), block)),
         "SDPA decode (C++ dispatch, for scale)": sdpa_decode(Case(1024, 1)),

@@ -17,8 +17,8 @@ One kernel family serves the three ops:
   part of the last split, the prefix/tree merge of hybrid tree attention costs nothing extra (a tree split of its
   own cost 24 more programs and partials at Llama-3-8B shapes for ~2.5% of one split's keys).
 
-On sm_90+ GPUs, inside CUDA graphs, the cache blocks of 16-bit caches with 16-byte aligned layouts arrive by TMA
-(host-built tensor descriptors; eager calls and other caches use pointer loads), and the merge is launched with programmatic dependent launch (PDL) so
+On sm_90+ GPUs the cache blocks of 16-bit caches with 16-byte aligned layouts arrive by TMA (host-built tensor
+descriptors; other caches use pointer loads), and the merge is launched with programmatic dependent launch (PDL) so
 it is resident before the split kernel ends (each measured on and off: benchmarks/results/h200/paths.md).
 
 The number of splits depends only on shapes (cache capacity N, B, Hkv, M, the SM count), never on tensor values,
@@ -67,10 +67,11 @@ class AttnConfig:
         split_rows: cache rows per KV split (rounded up to ``block_n``); ``None`` lets the shape-only split rule
             choose. Forcing a small value exercises many splits.
         merge_num_warps: warps of the split-merge kernel (its tile follows from the split count: merge_tile).
-        tma: how cache blocks are loaded where :func:`tma_eligible` allows TMA. ``None`` (default): TMA while a
-            CUDA graph is being captured, pointer loads in eager calls. Both are exact and give the same bits;
-            TMA is a few percent faster on the GPU, but its two tensor descriptors cost host time on every launch
-            (benchmarks/results/h200/eager.md), which a graph pays once at capture. True: always; False: never.
+        tma: load cache blocks by TMA where :func:`tma_eligible` allows it; False: pointer loads. Both are exact
+            and gave the same bits on the H200; TMA is 2-6% faster there on the GPU, but the descriptors cost
+            ~40 us of host time per eager launch in Triton 3.6's launcher (benchmarks/results/h200/eager.md);
+            CUDA graphs pay it once, at capture. (Choosing by capture state instead would compile the TMA kernel
+            during capture, after an eager warm-up: the H200 run of 11c4e06 failed that way.)
         pdl: launch the split merge with programmatic dependent launch on sm_90+ GPUs, so it is resident and
             waiting when the split kernel ends; False: a plain launch.
     """
@@ -82,7 +83,7 @@ class AttnConfig:
     occupancy: int = 1
     split_rows: Optional[int] = None
     merge_num_warps: int = 4
-    tma: Optional[bool] = None
+    tma: bool = True
     pdl: bool = True
 
     def __post_init__(self) -> None:
@@ -550,8 +551,7 @@ def _attention(
     def s3(t):  # (batch, row, head) strides of a [B, S, H, D] tensor
         return (t.stride(0), t.stride(1), t.stride(2)) if t.dim() == 4 else (0, 0, 0)
 
-    want_tma = cfg.tma if cfg.tma is not None else (q.is_cuda and torch.cuda.is_current_stream_capturing())
-    use_tma = want_tma and has_cache and tma_eligible(k) and tma_eligible(v)
+    use_tma = cfg.tma and has_cache and tma_eligible(k) and tma_eligible(v)
     if use_tma:
         block = [1, cfg.block_n, 1, D_PAD]
         kd = TensorDescriptor(k, list(k.shape), list(k.stride()), block)

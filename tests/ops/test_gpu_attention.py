@@ -87,7 +87,7 @@ def _check(name, out, lse, ref_out, ref_lse, lp_out, lp_lse):
 
 def _run(B, M, N, heads, D, dtype, strided=False, tma=None):
     """The three attention ops against the references; ``tma`` set: the kernels with that cache-load choice (the
-    public ops run eager here, so they load with pointers; TMA is their path inside CUDA graphs)."""
+    public ops load 16-bit aligned caches by TMA on sm_90+)."""
     seed = hash((B, M, N, heads, D, str(dtype), strided)) % (2**31)
     q, kc, vc, kt, vt, lens = _inputs(B, M, N, heads, D, dtype, strided, seed)
     mask = _mask(B, M, seed)
@@ -128,16 +128,16 @@ def test_large_contexts(B, M, N, heads, D, dtype):
     _run(B, M, N, heads, D, dtype, strided=(M == 74))
 
 
-# TMA cache loads, forced in eager calls: every M, cache sizes around the block and split edges, odd GQA groups,
-# both head dims and dtypes, contiguous and strided caches.
-TMA = [(3, m, n, h, d, dt, st) for (m, n, h, d, dt, st) in itertools.product(
+# Pointer cache loads (caches TMA cannot take, or tma=False): every M, cache sizes around the block and split
+# edges, odd GQA groups, both head dims and dtypes, contiguous and strided caches.
+POINTER = [(3, m, n, h, d, dt, st) for (m, n, h, d, dt, st) in itertools.product(
     MS, [97, 1025, 8192], [(32, 8), (28, 4), (14, 2)], [64, 128], DTYPES, [False, True])
     if (MS.index(m) + [97, 1025, 8192].index(n) + d // 64 + st) % 3 == 0]
 
 
-@pytest.mark.parametrize("B,M,N,heads,D,dtype,strided", TMA)
-def test_tma_grid(B, M, N, heads, D, dtype, strided):
-    _run(B, M, N, heads, D, dtype, strided, tma=True)
+@pytest.mark.parametrize("B,M,N,heads,D,dtype,strided", POINTER)
+def test_pointer_load_grid(B, M, N, heads, D, dtype, strided):
+    _run(B, M, N, heads, D, dtype, strided, tma=False)
 
 
 @pytest.mark.parametrize("M,N", [(69, 1025), (1, 97), (128, 8192)])
@@ -148,7 +148,7 @@ def test_non_contiguous(M, N):
 @pytest.mark.parametrize("M,N", [(74, 8192), (1, 32768)])
 @pytest.mark.parametrize("tma,pdl", [(False, False), (True, False), (False, True)])
 def test_load_and_launch_paths(M, N, tma, pdl):
-    """The default path (TMA loads, PDL merge launch on sm_90+) runs in every other test; here the pointer loads
+    """The default path (TMA loads, PDL merge launch on sm_90+) runs in most other tests; here the pointer loads
     and the plain merge launch, each alone, with cache rows past the lengths holding NaN (never read into out)."""
     B, heads, D = 3, (32, 8), 128
     q, kc, vc, kt, vt, lens = _inputs(B, M, N, heads, D, torch.bfloat16, False, 41 + M)
@@ -211,8 +211,6 @@ def test_opcheck_cuda(name):
 
 @pytest.mark.parametrize("name", OP_NAMES)
 def test_cuda_graph_capture(name):
-    """Replay equals an eager call bit for bit; for the attention ops that also compares the split kernel's TMA
-    cache loads (used inside graphs) with its pointer loads (eager)."""
     args = _op_args()[name]
     op = getattr(torch.ops.longspec, name)
     fresh = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
