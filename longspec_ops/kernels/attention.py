@@ -68,7 +68,7 @@ class AttnConfig:
             choose. Forcing a small value exercises many splits.
         merge_num_warps: warps of the split-merge kernel (its tile follows from the split count: merge_tile).
         tma: load cache blocks by TMA where :func:`tma_eligible` allows it; False: pointer loads. Both are exact
-            and gave the same bits on the H200; TMA is 2-6% faster there on the GPU, but the descriptors cost
+            and gave the same bits on the H200; TMA is 1-4% faster there (paths.md), but the descriptors cost
             ~40 us of host time per eager launch in Triton 3.6's launcher (benchmarks/results/h200/eager.md);
             CUDA graphs pay it once, at capture. (Choosing by capture state instead would compile the TMA kernel
             during capture, after an eager warm-up: the H200 run of 11c4e06 failed that way.)
