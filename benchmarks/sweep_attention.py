@@ -2,13 +2,15 @@
 
 Prints, per (case, N), the fastest configs by CUDA-graph replay time with a cold L2, and where the table default
 ranks. ``--flush`` compares the timer's read flush of the L2 with a memset flush; ``--eager`` measures the eager
-per-call host cost by part; ``--paths`` toggles TMA cache loads and the PDL merge launch. Usage (GPU):
+per-call host cost by part; ``--paths`` compares the Gluon wgmma kernel with the Triton kernel and toggles the
+Triton kernel's TMA cache loads and the PDL merge launch. Usage (GPU):
 
     python -m benchmarks.sweep_attention [--quick] [--cases tree-32768,...] [--flush] [--eager] [--paths] [--out DIR]
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -28,6 +30,10 @@ def _configs(case: str, N: int, quick: bool):
         grid = itertools.product([128], [64], [8], [3, 4], splits)
         if not quick:
             grid = itertools.chain(grid, itertools.product([64, 128], [32, 64, 128], [4, 8], [2, 3, 4], [None]))
+        if torch.cuda.get_device_capability() == (9, 0):  # the Gluon wgmma kernel: ring depth, split count
+            sm90 = K.split_config(128, 296, torch.bfloat16, torch.device("cuda"))
+            for st, sr in itertools.product([3] if quick else [2, 3, 4], splits + [-(-N // 13), -(-N // 26)]):
+                yield dataclasses.replace(sm90, num_stages=st, split_rows=sr)
     else:
         grid = itertools.product([16], [64, 128], [4], [3, 4] if quick else [2, 3, 4], splits)
     for bm, bn, w, st, sr in grid:
@@ -93,27 +99,32 @@ def flush_check(timer: Timer) -> list[dict]:
 
 
 def load_paths(timer: Timer) -> list[dict]:
-    """The split kernel's cache loads (TMA descriptors or pointers) and the merge launch (PDL or plain), each
-    toggled against the default (both on), at the table configs and split counts."""
-    import dataclasses
-
+    """Kernel and launch paths against the default: for tree verification the Gluon wgmma kernel (sm_90) against
+    the Triton kernel's table config; for the Triton kernel its cache loads (TMA descriptors or pointers) and the
+    merge launch (PDL or plain)."""
     rows = []
     for N in (8192, 32768, 131072):
         for case, M in (("hybrid_tree_attn (M=74)", 74), ("prefix_attn (M=1)", 1)):
             c = Case(N, M)
-            base = K.split_config(c.q.shape[3], M * (c.q.shape[2] // c.k.shape[2]), c.q.dtype)
-            row = {"op": case, "N": N}
-            for label, tma, pdl in (("TMA + PDL us", True, True), ("pointers + PDL us", False, True),
-                                    ("TMA, plain launch us", True, False), ("pointers, plain launch us", False, False)):
-                cfg = dataclasses.replace(base, tma=tma, pdl=pdl)
+            rows_g = M * (c.q.shape[2] // c.k.shape[2])
+            default = K.split_config(c.q.shape[3], rows_g, c.q.dtype, c.q.device)
+            triton_cfg = K.split_config(c.q.shape[3], rows_g, c.q.dtype)  # the Triton kernel's table config
+            variants = {"default": default}
+            if default.wgmma:
+                variants["Gluon wgmma, plain merge launch"] = dataclasses.replace(default, pdl=False)
+                variants["Triton kernel, table config"] = triton_cfg
+            for label, tma, pdl in (("pointers + PDL", False, True), ("TMA, plain launch", True, False),
+                                    ("pointers, plain launch", False, False)):
+                variants[f"Triton kernel, {label}"] = dataclasses.replace(triton_cfg, tma=tma, pdl=pdl)
+            for label, cfg in variants.items():
                 if M > 1:
                     fn = lambda cfg=cfg: K.hybrid_tree_attn(c.q, c.k, c.v, c.seqlens, c.k_tree, c.v_tree, c.mask,
                                                             c.scale, config=cfg)
                 else:
                     fn = lambda cfg=cfg: K.prefix_attn(c.q, c.k, c.v, c.seqlens, c.scale, config=cfg)
-                row[label] = timer.graph_us(fn)
-            rows.append(row)
-            print(row, flush=True)
+                row = {"op": case, "N": N, "path": label, "us": timer.graph_us(fn)}
+                rows.append(row)
+                print(row, flush=True)
     return rows
 
 
@@ -137,8 +148,6 @@ def eager_overhead() -> list[dict]:
             fn()
         torch.cuda.synchronize()
         return (time.perf_counter() - t) / n * 1e6
-
-    import dataclasses
 
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -182,7 +191,8 @@ def main() -> None:
                     help="comma-separated <tree|decode>-<N>; empty: no config sweep")
     ap.add_argument("--flush", action="store_true", help="also compare read and memset L2 flushes")
     ap.add_argument("--eager", action="store_true", help="also measure eager host overhead by part")
-    ap.add_argument("--paths", action="store_true", help="also compare TMA/pointer loads and PDL/plain merge launch")
+    ap.add_argument("--paths", action="store_true",
+                    help="also compare the Gluon and Triton kernels, TMA/pointer loads and PDL/plain merge launch")
     args = ap.parse_args()
     timer = Timer(reps=30, warmup=3)
     sha = os.environ.get("LONGSPEC_GIT_SHA", "unknown")
@@ -198,8 +208,8 @@ def main() -> None:
         (args.flush, "flush", lambda: flush_check(timer), "L2 flush: read vs memset",
          f"CUDA-graph replay, Llama-3-8B attention shapes, median of 30 ({env}). `python -m "
          "benchmarks.sweep_attention --cases '' --flush`"),
-        (args.paths, "paths", lambda: load_paths(Timer(reps=100, warmup=3)), "Cache loads and merge launch",
-         f"CUDA-graph replay, cold L2, median of 100, Llama-3-8B attention shapes, table configs ({env}). `python -m "
+        (args.paths, "paths", lambda: load_paths(Timer(reps=100, warmup=3)), "Kernels, cache loads and merge launch",
+         f"CUDA-graph replay, cold L2, median of 100, Llama-3-8B attention shapes, default configs ({env}). `python -m "
          "benchmarks.sweep_attention --cases '' --paths`"),
         (args.eager, "eager", eager_overhead, "Eager host overhead per call",
          f"Host time per call, 400 calls, small N so the GPU waits on the host ({env}). `python -m "

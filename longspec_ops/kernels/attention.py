@@ -54,6 +54,12 @@ from ..reference import attention as _ref
 
 
 # Configs --------------------------------------------------------------------------------------------------------
+# A program's fixed cost in the split rule (launch slot, Q load, partial store and its share of the merge),
+# expressed in cache rows: ~128 rows plus the workspace traffic of its tile (block_m * D * 8 bytes written and
+# read back, against 4 * D bytes per 16-bit K+V row => 2 * block_m rows, added by plan_splits).
+_SPLIT_OVERHEAD_ROWS = 128
+
+
 @dataclass(frozen=True)
 class AttnConfig:
     """Launch parameters of one attention launch; every field is a sweep knob for the GPU benchmarks.
@@ -66,6 +72,7 @@ class AttnConfig:
             ``num_sms * occupancy`` slots.
         split_rows: cache rows per KV split (rounded up to ``block_n``); ``None`` lets the shape-only split rule
             choose. Forcing a small value exercises many splits.
+        split_overhead_rows: the split rule's fixed cost of one program, in cache rows (:func:`plan_splits`).
         merge_num_warps: warps of the split-merge kernel (its tile follows from the split count: merge_tile).
         tma: load cache blocks by TMA where :func:`tma_eligible` allows it; False: pointer loads. Both are exact
             and gave the same bits on the H200; TMA is 1-4% faster there (paths.md), but the descriptors cost
@@ -74,6 +81,10 @@ class AttnConfig:
             during capture, after an eager warm-up: the H200 run of 11c4e06 failed that way.)
         pdl: launch the split merge with programmatic dependent launch on sm_90+ GPUs, so it is resident and
             waiting when the split kernel ends; False: a plain launch.
+        wgmma: run the split-KV part as the Gluon Hopper kernel (:mod:`.attention_sm90`: async wgmma, softmax
+            overlapped with P @ V) where it applies: an sm_90 GPU, fp16/bf16, head dim 64 or 128, one length per
+            batch row, TMA-eligible caches, two or more splits. Needs ``block_m = 64`` and ``num_warps = 4``
+            (``block_n`` and ``num_stages`` size its K/V ring). Elsewhere the Triton kernel runs this config.
     """
 
     block_m: int
@@ -83,14 +94,20 @@ class AttnConfig:
     occupancy: int = 1
     split_rows: Optional[int] = None
     merge_num_warps: int = 4
+    split_overhead_rows: int = _SPLIT_OVERHEAD_ROWS
     tma: bool = True
     pdl: bool = True
+    wgmma: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"AttnConfig.{name} must be a power of two >= 16, got {value}")
+        if self.wgmma and (self.block_m != 64 or self.num_warps != 4 or self.block_n > 128):
+            raise ValueError("AttnConfig.wgmma needs block_m = 64, num_warps = 4 and block_n <= 128 (one warpgroup "
+                             f"per 64-row tile), got block_m={self.block_m}, num_warps={self.num_warps}, "
+                             f"block_n={self.block_n}")
         if self.split_rows is not None and self.split_rows < 1:
             raise ValueError(f"AttnConfig.split_rows must be positive, got {self.split_rows}")
 
@@ -122,6 +139,13 @@ _SPLIT_TABLE: tuple[tuple[int, int, bool, AttnConfig], ...] = (
     (64, _INF_ROWS, False, AttnConfig(block_m=32, block_n=16, num_warps=4, num_stages=2, occupancy=2)),
     (256, _INF_ROWS, False, AttnConfig(block_m=16, block_n=16, num_warps=4, num_stages=2, occupancy=2)),
 )
+# Many rows on an sm_90 GPU (tree verification): the Gluon wgmma kernel. 64-row tiles (296 rows -> 320), 3 stages
+# of 64-row K and V blocks plus two P buffers: 112 KiB of shared memory and 213 registers (offline sm_90 compile),
+# so two programs share an SM. Its fixed cost per program is larger in the split rule: forced split counts on the
+# H200 (74-token tree, B = 1) preferred one wave of 6 splits at 32k (92.0 us vs 95.1 with the 128-row default, 110.5
+# with 26) and two waves of 13 at 128k (314 us vs 331 with 6 or 26); 512 rows selects both.
+_SM90_SPLIT = AttnConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, occupancy=2, wgmma=True,
+                         split_overhead_rows=512)
 # Tree attention alone: at most 256 keys, so a program does a few steps and pipelining depth matters little.
 _TREE_TABLE: tuple[tuple[int, int, bool, AttnConfig], ...] = (
     (128, 16, True, AttnConfig(block_m=16, block_n=32, num_warps=4, num_stages=2)),
@@ -135,10 +159,7 @@ _TREE_TABLE: tuple[tuple[int, int, bool, AttnConfig], ...] = (
     (256, _INF_ROWS, False, AttnConfig(block_m=16, block_n=16, num_warps=4, num_stages=2)),
 )
 
-# Split rule constants. A program's fixed cost (launch slot, Q load, partial store and its share of the merge),
-# expressed in cache rows: ~128 rows plus the workspace traffic of its tile (block_m * D * 8 bytes written and
-# read back, against 4 * D bytes per 16-bit K+V row => 2 * block_m rows).
-_SPLIT_OVERHEAD_ROWS = 128
+# Split rule constants.
 _MAX_SPLITS = 256  # caps the search and the workspace
 _MAX_WAVES = 4  # more splits than ~4 waves of programs only adds merge work
 _INTERPRETER_SMS = 4  # CPU tensors (Triton interpreter): a nominal SM count, so the split rule still splits
@@ -416,8 +437,12 @@ def _pick(table, head_dim: int, rows: int, dtype: torch.dtype) -> AttnConfig:
     raise ValueError(f"longspec kernels: no tile config for head_dim {head_dim} ({dtype}); head dims up to 256")
 
 
-def split_config(head_dim: int, rows: int, dtype: torch.dtype) -> AttnConfig:
-    """The default split-KV config for ``rows = M * (Hq // Hkv)`` packed rows (prefix and hybrid attention)."""
+def split_config(head_dim: int, rows: int, dtype: torch.dtype, device: Optional[torch.device] = None) -> AttnConfig:
+    """The default split-KV config for ``rows = M * (Hq // Hkv)`` packed rows (prefix and hybrid attention) on
+    ``device`` (None: a device-independent Triton config)."""
+    if (device is not None and _capability(device) == (9, 0) and rows > 64 and head_dim in (64, 128)
+            and dtype in (torch.float16, torch.bfloat16)):
+        return _SM90_SPLIT
     return _pick(_SPLIT_TABLE, head_dim, rows, dtype)
 
 
@@ -463,7 +488,7 @@ def _cdiv(a: int, b: int) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def plan_splits(n_rows: int, base_programs: int, block_m: int, block_n: int, slots: int,
-                split_rows: Optional[int] = None) -> tuple[int, int]:
+                split_rows: Optional[int] = None, overhead_rows: int = _SPLIT_OVERHEAD_ROWS) -> tuple[int, int]:
     """``(num_splits, split_rows)`` for a cache of ``n_rows`` rows: a function of shapes only (graph-safe).
 
     ``base_programs`` = B * Hkv * row tiles programs share each split; ``slots`` = SMs x occupancy. Model: all
@@ -476,7 +501,7 @@ def plan_splits(n_rows: int, base_programs: int, block_m: int, block_n: int, slo
         rows = max(split_rows, _cdiv(n_rows, 65535))
         rows = _cdiv(rows, block_n) * block_n
         return _cdiv(n_rows, rows), rows
-    overhead = _SPLIT_OVERHEAD_ROWS + 2 * block_m
+    overhead = overhead_rows + 2 * block_m
     max_splits = min(_cdiv(n_rows, block_n), _MAX_SPLITS, max(1, _cdiv(_MAX_WAVES * slots, base_programs)))
     best = None
     for s in range(1, max_splits + 1):
@@ -532,7 +557,8 @@ def _attention(
     n_cache, split_rows = 0, cfg.block_n
     if has_cache:
         slots = _num_sms(q.device) * cfg.occupancy
-        n_cache, split_rows = plan_splits(N, B * Hkv * row_tiles, cfg.block_m, cfg.block_n, slots, cfg.split_rows)
+        n_cache, split_rows = plan_splits(N, B * Hkv * row_tiles, cfg.block_m, cfg.block_n, slots, cfg.split_rows,
+                                          cfg.split_overhead_rows)
     num_splits = max(1, n_cache)  # the tree keys, if any, join the last split (the only split without a cache)
     direct = num_splits == 1
 
@@ -551,24 +577,27 @@ def _attention(
     def s3(t):  # (batch, row, head) strides of a [B, S, H, D] tensor
         return (t.stride(0), t.stride(1), t.stride(2)) if t.dim() == 4 else (0, 0, 0)
 
-    use_tma = cfg.tma and has_cache and tma_eligible(k) and tma_eligible(v)
-    if use_tma:
-        block = [1, cfg.block_n, 1, D_PAD]
-        kd = TensorDescriptor(k, list(k.shape), list(k.stride()), block)
-        vd = TensorDescriptor(v, list(v.shape), list(v.stride()), block)
-    else:
-        kd, vd = q, q  # unused
     pdl = cfg.pdl and not direct and _has_pdl(q.device)
-    _split_attn_kernel[(row_tiles, num_splits, B * Hkv)](
-        q, k, v, kd, vd, lens, kt, vt, mask, out, lse, ws_o, ws_lse,
-        *s3(q), *s3(k), *s3(v), *lens_strides, *s3(kt), *s3(vt),
-        *((mask.stride(0), mask.stride(1), mask.stride(2)) if tree is not None else (0, 0, 0)),
-        M, N, Hkv, R, split_rows, num_splits, scale * _LOG2E,
-        D=D, D_PAD=D_PAD, G=G, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TREE_BLOCK_N=tree_block_n,
-        HAS_CACHE=has_cache, HAS_TREE=tree is not None, DIRECT_OUT=direct,
-        DOT_PRECISION=_dot_precision(q.dtype), USE_TMA=use_tma, PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    if cfg.wgmma and has_cache and _wgmma_applies(q, k, v, lens, D, num_splits):
+        _launch_sm90(q, k, v, lens, tree, mask, ws_o, ws_lse, M, N, Hkv, R, G, D, split_rows, num_splits, scale, cfg)
+    else:
+        use_tma = cfg.tma and has_cache and tma_eligible(k) and tma_eligible(v)
+        if use_tma:
+            block = [1, cfg.block_n, 1, D_PAD]
+            kd = TensorDescriptor(k, list(k.shape), list(k.stride()), block)
+            vd = TensorDescriptor(v, list(v.shape), list(v.stride()), block)
+        else:
+            kd, vd = q, q  # unused
+        _split_attn_kernel[(row_tiles, num_splits, B * Hkv)](
+            q, k, v, kd, vd, lens, kt, vt, mask, out, lse, ws_o, ws_lse,
+            *s3(q), *s3(k), *s3(v), *lens_strides, *s3(kt), *s3(vt),
+            *((mask.stride(0), mask.stride(1), mask.stride(2)) if tree is not None else (0, 0, 0)),
+            M, N, Hkv, R, split_rows, num_splits, scale * _LOG2E,
+            D=D, D_PAD=D_PAD, G=G, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TREE_BLOCK_N=tree_block_n,
+            HAS_CACHE=has_cache, HAS_TREE=tree is not None, DIRECT_OUT=direct,
+            DOT_PRECISION=_dot_precision(q.dtype), USE_TMA=use_tma, PDL=pdl,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
     if not direct:
         block_s, block_r = merge_tile(num_splits, R, D_PAD)
         _merge_splits_kernel[(_cdiv(R, block_r), B * Hkv)](
@@ -577,6 +606,36 @@ def _attention(
             num_warps=cfg.merge_num_warps, launch_pdl=pdl,
         )
     return out, lse
+
+
+def _wgmma_applies(q: Tensor, k: Tensor, v: Tensor, lens: Tensor, D: int, num_splits: int) -> bool:
+    """Whether the Gluon sm_90 kernel takes this launch (see ``AttnConfig.wgmma``)."""
+    return (q.device.type == "cuda" and _capability(q.device) == (9, 0) and q.dtype in (torch.float16, torch.bfloat16)
+            and k.dtype == q.dtype and v.dtype == q.dtype and D in (64, 128) and lens.dim() == 1
+            and num_splits >= 2 and tma_eligible(k) and tma_eligible(v))
+
+
+def _launch_sm90(q, k, v, lens, tree, mask, ws_o, ws_lse, M, N, Hkv, R, G, D, split_rows, num_splits, scale, cfg):
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+
+    from . import attention_sm90
+
+    block = [1, cfg.block_n, 1, D]
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float16 if q.dtype == torch.float16 else gl.bfloat16)
+    kd = GluonTensorDescriptor(k, list(k.shape), list(k.stride()), block, layout)
+    vd = GluonTensorDescriptor(v, list(v.shape), list(v.stride()), block, layout)
+    kt, vt = (tree[0], tree[1]) if tree is not None else (q, q)
+    st = (lambda t: (t.stride(0), t.stride(1), t.stride(2))) if tree is not None else (lambda t: (0, 0, 0))
+    B = q.shape[0]
+    attention_sm90._split_attn_sm90_kernel[(_cdiv(R, cfg.block_m), num_splits, B * Hkv)](
+        q, kd, vd, lens, kt, vt, mask, ws_o, ws_lse,
+        q.stride(0), q.stride(1), q.stride(2), lens.stride(0),
+        *st(kt), *st(vt), *st(mask),
+        M, N, Hkv, R, split_rows, num_splits, scale * _LOG2E,
+        D=D, G=G, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, HAS_TREE=tree is not None,
+        num_warps=cfg.num_warps,
+    )
 
 
 def _reference_result(out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
@@ -611,7 +670,7 @@ def prefix_attn(
     if q.dtype == torch.float64:
         lens = kv_lens.clamp(0, k_cache.shape[1])
         return _reference_result(*_ref.prefix_attn(q, k_cache, v_cache, lens, scale))
-    cfg = config or split_config(q.shape[3], q.shape[1] * (q.shape[2] // k_cache.shape[2]), q.dtype)
+    cfg = config or split_config(q.shape[3], q.shape[1] * (q.shape[2] // k_cache.shape[2]), q.dtype, q.device)
     return _attention(q, (k_cache, v_cache, kv_lens), None, scale, cfg)
 
 
@@ -649,7 +708,7 @@ def hybrid_tree_attn(
         return torch.ops.longspec.merge_attn_states(out_p, lse_p, out_t, lse_t)
     if backend is not HybridBackend.FUSED:
         raise ValueError(f"hybrid_tree_attn: unknown backend {backend!r}")
-    cfg = config or split_config(q.shape[3], q.shape[1] * (q.shape[2] // k_cache.shape[2]), q.dtype)
+    cfg = config or split_config(q.shape[3], q.shape[1] * (q.shape[2] // k_cache.shape[2]), q.dtype, q.device)
     return _attention(q, (k_cache, v_cache, cache_seqlens), (k_tree, v_tree, tree_mask), scale, cfg)
 
 
