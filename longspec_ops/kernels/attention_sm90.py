@@ -48,16 +48,15 @@ def _load_layout(D):
 
 
 @gluon.jit
-def _issue_kv(KD, VD, k_smem, v_smem, k_bar, v_bar, j, nb, b, hk, lo,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """TMA loads of K and V block ``j`` of this split into stage ``j % STAGES`` (nothing when ``j >= nb``)."""
+def _issue_kv(KD, VD, k_smem, v_smem, kv_bar, j, nb, b, hk, lo, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """TMA loads of K and V block ``j`` of this split into stage ``j % STAGES``, both completing one barrier
+    (nothing when ``j >= nb``)."""
     s = j % STAGES
     pred = j < nb
     n0 = lo + j * BLOCK_N
-    mbarrier.expect(k_bar.index(s), KD.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(KD, [b, n0, hk, 0], k_bar.index(s), k_smem.index(s), pred=pred)
-    mbarrier.expect(v_bar.index(s), VD.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(VD, [b, n0, hk, 0], v_bar.index(s), v_smem.index(s), pred=pred)
+    mbarrier.expect(kv_bar.index(s), KD.block_type.nbytes + VD.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(KD, [b, n0, hk, 0], kv_bar.index(s), k_smem.index(s), pred=pred)
+    tma.async_copy_global_to_shared(VD, [b, n0, hk, 0], kv_bar.index(s), v_smem.index(s), pred=pred)
 
 
 @gluon.jit
@@ -125,11 +124,9 @@ def _split_attn_sm90_kernel(
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, D], KD.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, D], VD.layout)
     l_pin = gl.allocate_shared_memory(gl.float32, [BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(k_bar.index(i), count=1)
-        mbarrier.init(v_bar.index(i), count=1)
+        mbarrier.init(kv_bar.index(i), count=1)
 
     n_b = gl.minimum(gl.maximum(gl.load(LENS + b * stride_lb), 0), N).to(gl.int32)
     lo = split * split_rows
@@ -138,7 +135,7 @@ def _split_attn_sm90_kernel(
     tail = hi - lo - (nb - 1) * BLOCK_N  # valid keys of the last block, in [1, BLOCK_N] when nb > 0
 
     for i in gl.static_range(STAGES):
-        _issue_kv(KD, VD, k_smem, v_smem, k_bar, v_bar, i, nb, b, hk, lo, BLOCK_N, STAGES)
+        _issue_kv(KD, VD, k_smem, v_smem, kv_bar, i, nb, b, hk, lo, BLOCK_N, STAGES)
 
     acc = gl.zeros([BM, D], gl.float32, layout=o_layout)
     m_i = gl.full([BM], float("-inf"), gl.float32, layout=s_rows)
@@ -150,7 +147,7 @@ def _split_attn_sm90_kernel(
         # Block 0: scores and softmax. Then, per block j: issue S_j = Q K_j^T, rescale O (alpha of block j-1) while
         # it runs, issue O += P_{j-1} V_{j-1}, take S_j, run its softmax while P_{j-1} V_{j-1} is in the tensor
         # cores, wait, and only then write P_j's registers (P @ V reads them from registers until the wait).
-        mbarrier.wait(k_bar.index(0), 0)
+        mbarrier.wait(kv_bar.index(0), 0)
         s = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, D]).permute((1, 0)), s_zero, use_acc=False)
         s = gl.where((cols < tail)[None, :] | (nb > 1), s, float("-inf"))
         p32, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, False)
@@ -158,11 +155,10 @@ def _split_attn_sm90_kernel(
         for j in range(1, nb):
             st = j % STAGES
             sp = (j - 1) % STAGES
-            mbarrier.wait(k_bar.index(st), (j // STAGES) & 1)
+            mbarrier.wait(kv_bar.index(st), (j // STAGES) & 1)
             s_tok = warpgroup_mma(q, k_smem.index(st).reshape([BLOCK_N, D]).permute((1, 0)), s_zero,
                                   use_acc=False, is_async=True)
             acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-            mbarrier.wait(v_bar.index(sp), ((j - 1) // STAGES) & 1)
             acc_tok = warpgroup_mma(p, v_smem.index(sp).reshape([BLOCK_N, D]), acc, is_async=True)
             # S_j is done once at most one group (P_{j-1} V_{j-1}) is in flight.
             s, q = warpgroup_mma_wait(1, deps=[s_tok, q])
@@ -176,10 +172,9 @@ def _split_attn_sm90_kernel(
             acc, p = warpgroup_mma_wait(0, deps=[acc_tok, p])
             p = gl.convert_layout(p32.to(dtype), p_op)
             # Both operands of block j-1 are consumed: refill its stage with block j-1+STAGES.
-            _issue_kv(KD, VD, k_smem, v_smem, k_bar, v_bar, j - 1 + STAGES, nb, b, hk, lo, BLOCK_N, STAGES)
+            _issue_kv(KD, VD, k_smem, v_smem, kv_bar, j - 1 + STAGES, nb, b, hk, lo, BLOCK_N, STAGES)
         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
         sl = (nb - 1) % STAGES
-        mbarrier.wait(v_bar.index(sl), ((nb - 1) // STAGES) & 1)
         v_last = v_smem.index(sl).reshape([BLOCK_N, D])
         if tail < BLOCK_N:
             # TMA loads whole blocks: rows past this split's keys may be unwritten cache capacity (NaN allowed),
@@ -191,8 +186,7 @@ def _split_attn_sm90_kernel(
         acc = warpgroup_mma(p, v_last, acc)
 
     for i in gl.static_range(STAGES):
-        mbarrier.invalidate(k_bar.index(i))
-        mbarrier.invalidate(v_bar.index(i))
+        mbarrier.invalidate(kv_bar.index(i))
 
     rows_s = pid_r * BM + gl.arange(0, BM, layout=s_rows)
     if HAS_TREE:
