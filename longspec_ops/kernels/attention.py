@@ -19,7 +19,10 @@ One kernel family serves the three ops:
 
 On sm_90+ GPUs the cache blocks of 16-bit caches with 16-byte aligned layouts arrive by TMA (host-built tensor
 descriptors; other caches use pointer loads), and the merge is launched with programmatic dependent launch (PDL) so
-it is resident before the split kernel ends (each measured on and off: benchmarks/results/h200/paths.md).
+it is resident before the split kernel ends (each measured on and off: benchmarks/results/h200/paths.md). On sm_90
+GPUs, many packed rows (tree verification) take a Gluon kernel instead of ``_split_attn_kernel``
+(:mod:`.attention_sm90`, chosen by :func:`split_config` and ``AttnConfig.wgmma``): same partials, same merge, about
+20% faster there.
 
 The number of splits depends only on shapes (cache capacity N, B, Hkv, M, the SM count), never on tensor values,
 so launches are CUDA-graph capturable; lengths are read (and clamped into ``[0, N]``) on the device.
@@ -140,8 +143,8 @@ _SPLIT_TABLE: tuple[tuple[int, int, bool, AttnConfig], ...] = (
     (256, _INF_ROWS, False, AttnConfig(block_m=16, block_n=16, num_warps=4, num_stages=2, occupancy=2)),
 )
 # Many rows on an sm_90 GPU (tree verification): the Gluon wgmma kernel. 64-row tiles (296 rows -> 320), 3 stages
-# of 64-row K and V blocks plus two P buffers: 112 KiB of shared memory and 213 registers (offline sm_90 compile),
-# so two programs share an SM. Its fixed cost per program is larger in the split rule: forced split counts on the
+# of 64-row K and V blocks: 96 KiB of shared memory and 210-212 registers at D = 128 (offline sm_90 compiles with
+# Triton 3.6 / 3.8, tests/ops/test_sm90_kernel.py), so two programs share an SM. Its fixed cost per program is larger in the split rule: forced split counts on the
 # H200 (74-token tree, B = 1) preferred one wave of 6 splits at 32k (92.0 us vs 95.1 with the 128-row default, 110.5
 # with 26) and two waves of 13 at 128k (314 us vs 331 with 6 or 26); 512 rows selects both.
 _SM90_SPLIT = AttnConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, occupancy=2, wgmma=True,
