@@ -144,9 +144,10 @@ _SPLIT_TABLE: tuple[tuple[int, int, bool, AttnConfig], ...] = (
 )
 # Many rows on an sm_90 GPU (tree verification): the Gluon wgmma kernel. 64-row tiles (296 rows -> 320), 3 stages
 # of 64-row K and V blocks: 96 KiB of shared memory and 210-212 registers at D = 128 (offline sm_90 compiles with
-# Triton 3.6 / 3.8, tests/ops/test_sm90_kernel.py), so two programs share an SM. Its fixed cost per program is larger in the split rule: forced split counts on the
-# H200 (74-token tree, B = 1) preferred one wave of 6 splits at 32k (92.0 us vs 95.1 with the 128-row default, 110.5
-# with 26) and two waves of 13 at 128k (314 us vs 331 with 6 or 26); 512 rows selects both.
+# Triton 3.6 / 3.8, tests/ops/test_sm90_kernel.py), so two programs share an SM. Its fixed cost per program is
+# larger in the split rule: forced split counts on the H200 (74-token tree, B = 1) preferred one wave of 6 splits at
+# 32k (92.0 us, against 95.1 with the split the rule chose at a 128-row overhead and 110.5 with 26) and two waves of
+# 13 at 128k (314 us, 331 with 6 or 26; sm90_exploration.json); an overhead of 512 rows selects both.
 _SM90_SPLIT = AttnConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, occupancy=2, wgmma=True,
                          split_overhead_rows=512)
 # Tree attention alone: at most 256 keys, so a program does a few steps and pipelining depth matters little.
@@ -162,7 +163,7 @@ _TREE_TABLE: tuple[tuple[int, int, bool, AttnConfig], ...] = (
     (256, _INF_ROWS, False, AttnConfig(block_m=16, block_n=16, num_warps=4, num_stages=2)),
 )
 
-# Split rule constants.
+# Split rule bounds.
 _MAX_SPLITS = 256  # caps the search and the workspace
 _MAX_WAVES = 4  # more splits than ~4 waves of programs only adds merge work
 _INTERPRETER_SMS = 4  # CPU tensors (Triton interpreter): a nominal SM count, so the split rule still splits

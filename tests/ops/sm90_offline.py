@@ -44,7 +44,8 @@ def compile_sm90(D: int, dtype: torch.dtype, cfg: K.AttnConfig):
             sig[name] = mangle_type(desc)
         else:
             sig[name] = pointers.get(name, "fp32" if name == "qk_scale" else "i32")
-    aligned = [n for n in fn.arg_names if sig[n].startswith("*") or n.startswith(("stride_q", "stride_kt", "stride_vt"))]
+    aligned = [n for n in fn.arg_names
+               if sig[n].startswith("*") or n.startswith(("stride_q", "stride_kt", "stride_vt"))]
     src = GluonASTSource(fn=fn, signature=sig,
                          constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
                          attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned})

@@ -173,7 +173,8 @@ def test_load_and_launch_paths(M, N, tma, pdl):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="the Gluon wgmma kernel runs on sm_90 only")
-@pytest.mark.parametrize("case", [(3, 74, 1025, (32, 8), 128, torch.bfloat16), (2, 69, 777, (28, 4), 64, torch.float16)])
+@pytest.mark.parametrize("case", [(3, 74, 1025, (32, 8), 128, torch.bfloat16),
+                                  (2, 69, 777, (28, 4), 64, torch.float16)])
 @pytest.mark.parametrize("split_rows", [64, 192, 448, None])
 def test_sm90_kernel_splits_and_unwritten_rows(case, split_rows):
     """The Gluon sm_90 kernel (the default for many packed rows there) with splits of one, three and seven 64-key
