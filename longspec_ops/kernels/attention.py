@@ -571,7 +571,6 @@ def _attention(
     kt, vt, mask = tree if tree is not None else (q, q, None)
     mask = mask.view(torch.uint8) if mask is not None else q  # bool -> uint8 view: no copy, no int64 masks
     lens_strides = (0, 0) if not has_cache else (lens.stride(0), lens.stride(1) if lens.dim() == 2 else 0)
-    tree_block_n = min(cfg.block_n, max(16, _next_pow2(M)))
     if direct:
         ws_o, ws_lse = out, lse  # unused
     else:
@@ -581,10 +580,14 @@ def _attention(
     def s3(t):  # (batch, row, head) strides of a [B, S, H, D] tensor
         return (t.stride(0), t.stride(1), t.stride(2)) if t.dim() == 4 else (0, 0, 0)
 
+    tree_strides = (*s3(kt), *s3(vt),
+                    *((mask.stride(0), mask.stride(1), mask.stride(2)) if tree is not None else (0, 0, 0)))
     pdl = cfg.pdl and not direct and _has_pdl(q.device)
     if cfg.wgmma and has_cache and _wgmma_applies(q, k, v, lens, D, num_splits):
-        _launch_sm90(q, k, v, lens, tree, mask, ws_o, ws_lse, M, N, Hkv, R, G, D, split_rows, num_splits, scale, cfg)
+        _launch_sm90(q, k, v, lens, kt, vt, mask, ws_o, ws_lse, (*s3(q), lens_strides[0], *tree_strides),
+                     M, N, Hkv, R, G, D, split_rows, num_splits, scale, cfg, tree is not None)
     else:
+        tree_block_n = min(cfg.block_n, max(16, _next_pow2(M)))
         use_tma = cfg.tma and has_cache and tma_eligible(k) and tma_eligible(v)
         if use_tma:
             block = [1, cfg.block_n, 1, D_PAD]
@@ -594,8 +597,7 @@ def _attention(
             kd, vd = q, q  # unused
         _split_attn_kernel[(row_tiles, num_splits, B * Hkv)](
             q, k, v, kd, vd, lens, kt, vt, mask, out, lse, ws_o, ws_lse,
-            *s3(q), *s3(k), *s3(v), *lens_strides, *s3(kt), *s3(vt),
-            *((mask.stride(0), mask.stride(1), mask.stride(2)) if tree is not None else (0, 0, 0)),
+            *s3(q), *s3(k), *s3(v), *lens_strides, *tree_strides,
             M, N, Hkv, R, split_rows, num_splits, scale * _LOG2E,
             D=D, D_PAD=D_PAD, G=G, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TREE_BLOCK_N=tree_block_n,
             HAS_CACHE=has_cache, HAS_TREE=tree is not None, DIRECT_OUT=direct,
@@ -619,7 +621,10 @@ def _wgmma_applies(q: Tensor, k: Tensor, v: Tensor, lens: Tensor, D: int, num_sp
             and num_splits >= 2 and tma_eligible(k) and tma_eligible(v))
 
 
-def _launch_sm90(q, k, v, lens, tree, mask, ws_o, ws_lse, M, N, Hkv, R, G, D, split_rows, num_splits, scale, cfg):
+def _launch_sm90(q, k, v, lens, kt, vt, mask, ws_o, ws_lse, strides, M, N, Hkv, R, G, D, split_rows, num_splits,
+                 scale, cfg, has_tree):
+    """The Gluon kernel's launch; ``strides`` = q's (batch, row, head), lens', then the tree K/V and mask strides
+    in ``_split_attn_sm90_kernel``'s argument order."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
@@ -629,15 +634,10 @@ def _launch_sm90(q, k, v, lens, tree, mask, ws_o, ws_lse, M, N, Hkv, R, G, D, sp
     layout = gl.NVMMASharedLayout.get_default_for(block, gl.float16 if q.dtype == torch.float16 else gl.bfloat16)
     kd = GluonTensorDescriptor(k, list(k.shape), list(k.stride()), block, layout)
     vd = GluonTensorDescriptor(v, list(v.shape), list(v.stride()), block, layout)
-    kt, vt = (tree[0], tree[1]) if tree is not None else (q, q)
-    st = (lambda t: (t.stride(0), t.stride(1), t.stride(2))) if tree is not None else (lambda t: (0, 0, 0))
-    B = q.shape[0]
-    attention_sm90._split_attn_sm90_kernel[(_cdiv(R, cfg.block_m), num_splits, B * Hkv)](
-        q, kd, vd, lens, kt, vt, mask, ws_o, ws_lse,
-        q.stride(0), q.stride(1), q.stride(2), lens.stride(0),
-        *st(kt), *st(vt), *st(mask),
+    attention_sm90._split_attn_sm90_kernel[(_cdiv(R, cfg.block_m), num_splits, q.shape[0] * Hkv)](
+        q, kd, vd, lens, kt, vt, mask, ws_o, ws_lse, *strides,
         M, N, Hkv, R, split_rows, num_splits, scale * _LOG2E,
-        D=D, G=G, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, HAS_TREE=tree is not None,
+        D=D, G=G, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, HAS_TREE=has_tree,
         num_warps=cfg.num_warps,
     )
 

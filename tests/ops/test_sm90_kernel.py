@@ -11,6 +11,7 @@ stubbed device capability.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -59,3 +60,46 @@ def test_kernel_choice(monkeypatch):
     q = torch.zeros(1, 74, 32, 128, dtype=torch.bfloat16)
     kv = torch.zeros(1, 4096, 8, 128, dtype=torch.bfloat16)
     assert not K._wgmma_applies(q, kv, kv, torch.zeros(1, dtype=torch.int32), 128, 4)  # CPU tensors: never
+
+
+
+def test_launcher_binds_every_kernel_argument(monkeypatch):
+    """The host path to the Gluon kernel against the kernel's signature (the launch itself needs an sm_90 GPU, so
+    the kernel and the split merge are replaced by recorders): every argument bound once, in order, strides on
+    their own names, the split plan and tree flag passed through, the merge launched after it."""
+    from longspec_ops.kernels import attention_sm90 as SM
+
+    fn = SM._split_attn_sm90_kernel
+    calls = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((grid, args, kwargs))
+
+    monkeypatch.setattr(SM, "_split_attn_sm90_kernel", Recorder())
+    monkeypatch.setattr(K, "_merge_splits_kernel", Recorder())
+    monkeypatch.setattr(K, "_wgmma_applies", lambda *args: True)
+    B, M, N, Hq, Hkv, D = 2, 5, 256, 8, 2, 64
+    q = torch.zeros(B, Hq, M, D, dtype=torch.float16).transpose(1, 2)  # head-major storage
+    k = v = torch.zeros(B, N, Hkv, D, dtype=torch.float16)
+    kt = torch.zeros(B, Hkv, M, D, dtype=torch.float16).transpose(1, 2)
+    vt = torch.zeros(B, M, Hkv, D, dtype=torch.float16)
+    mask = torch.ones(B, M, M, dtype=torch.bool)
+    lens = torch.full((B,), N, dtype=torch.int32)
+    cfg = dataclasses.replace(K._SM90_SPLIT, split_rows=64)
+    K.hybrid_tree_attn(q, k, v, lens, kt, vt, mask, 0.125, config=cfg)
+    (grid, args, kwargs), (_, merge_args, _) = calls
+    assert merge_args[0] is args[fn.arg_names.index("WS_O")]
+    constexprs = {"D", "G", "BLOCK_N", "STAGES", "HAS_TREE"}
+    assert len(args) == len(fn.arg_names) - len(constexprs) and set(kwargs) == constexprs | {"num_warps"}
+    bound = dict(zip(fn.arg_names, args), **kwargs)
+    assert bound["Q"] is q and bound["LENS"] is lens and bound["KT"] is kt and bound["VT"] is vt
+    assert (bound["stride_qb"], bound["stride_qm"], bound["stride_qh"]) == q.stride()[:3]
+    assert (bound["stride_ktb"], bound["stride_ktm"], bound["stride_kth"]) == kt.stride()[:3]
+    assert (bound["stride_vtb"], bound["stride_vtm"], bound["stride_vth"]) == vt.stride()[:3]
+    assert (bound["stride_tb"], bound["stride_tm"], bound["stride_tn"], bound["stride_lb"]) == (M * M, M, 1, 1)
+    assert (bound["M"], bound["N"], bound["HKV"], bound["R"]) == (M, N, Hkv, M * Hq // Hkv)
+    assert (bound["split_rows"], bound["num_splits"]) == (64, 4) and bound["WS_O"].shape == (B * Hkv, 4, 20, D)
+    assert abs(bound["qk_scale"] - 0.125 * 1.4426950408889634) < 1e-9
+    assert kwargs["HAS_TREE"] is True and kwargs["D"] == D and kwargs["G"] == Hq // Hkv
+    assert grid == (1, 4, B * Hkv)
