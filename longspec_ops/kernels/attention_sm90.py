@@ -79,40 +79,6 @@ def _softmax(s, m_i, l_i, qk_scale, MASKED: gl.constexpr):
     return p, m_new, l_i, alpha
 
 
-@gluon.jit
-def _step(j, q, p, acc, m_i, l_i, alpha, qk_scale, KD, VD, k_smem, v_smem, kv_bar, l_pin, nb, tail, b, hk, lo,
-          D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, TAIL: gl.constexpr):
-    """Key block j: issue S_j = Q K_j^T, rescale O (alpha of block j-1) while it runs, issue O += P_{j-1} V_{j-1},
-    take S_j, run its softmax while P_{j-1} V_{j-1} is in the tensor cores, wait, and only then write P_j's
-    registers (P @ V reads them from registers until the wait); then refill block j-1's stage. TAIL: block j is
-    the split's last, keys past ``tail`` hidden."""
-    o_rows: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    st = j % STAGES
-    sp = (j - 1) % STAGES
-    mbarrier.wait(kv_bar.index(st), (j // STAGES) & 1)
-    s_tok = warpgroup_mma(q, k_smem.index(st).reshape([BLOCK_N, D]).permute((1, 0)),
-                          gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True)
-    acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-    acc_tok = warpgroup_mma(p, v_smem.index(sp).reshape([BLOCK_N, D]), acc, is_async=True)
-    # S_j is done once at most one group (P_{j-1} V_{j-1}) is in flight.
-    s, q = warpgroup_mma_wait(1, deps=[s_tok, q])
-    if TAIL:
-        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        s = gl.where((cols < tail)[None, :], s, float("-inf"))
-    p32, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, False)
-    # The wait has no data dependence on the softmax, and ptxas hoists it above the exponentials (no overlap left)
-    # unless a memory write that needs them comes first: the row sums, to a scratch buffer nobody reads. (P's
-    # registers are rewritten only after the wait: P_{j-1} V_{j-1} still reads them.)
-    l_pin.store(l_i)
-    acc, p = warpgroup_mma_wait(0, deps=[acc_tok, p])
-    p = gl.convert_layout(p32.to(p.dtype), p.type.layout)
-    # Both operands of block j-1 are consumed: refill its stage with block j-1+STAGES.
-    _issue_kv(KD, VD, k_smem, v_smem, kv_bar, j - 1 + STAGES, nb, b, hk, lo, BLOCK_N, STAGES)
-    return q, p, acc, m_i, l_i, alpha
-
-
 # Lengths and split sizes vary per call (ragged batches, growing caches): not specialising on them keeps it to
 # one compile per shape family (the engine's decode tests compile dozens of (M, N) buckets otherwise).
 @gluon.jit(do_not_specialize=["M", "N", "HKV", "R", "split_rows", "num_splits"])
@@ -183,20 +149,35 @@ def _split_attn_sm90_kernel(
     cols = gl.arange(0, BLOCK_N, layout=s_cols)
 
     if nb > 0:
-        # Block 0: scores and softmax; then one pipelined step per block (_step).
+        # Block 0: scores and softmax. Then, per block j: issue S_j = Q K_j^T, rescale O (alpha of block j-1) while
+        # it runs, issue O += P_{j-1} V_{j-1}, take S_j, run its softmax while P_{j-1} V_{j-1} is in the tensor
+        # cores, wait, and only then write P_j's registers (P @ V reads them from registers until the wait).
         mbarrier.wait(kv_bar.index(0), 0)
         s = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, D]).permute((1, 0)), s_zero, use_acc=False)
         s = gl.where((cols < tail)[None, :] | (nb > 1), s, float("-inf"))
         p32, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, False)
         p = gl.convert_layout(p32.to(dtype), p_op)
-        # Full blocks, then the split's last (partial) block in a step of its own: inside one loop, ptxas
-        # predicates the tail masking into every block rather than jumping over it (32 selects per block).
-        for j in range(1, nb - 1):
-            q, p, acc, m_i, l_i, alpha = _step(j, q, p, acc, m_i, l_i, alpha, qk_scale, KD, VD, k_smem, v_smem, kv_bar,
-                                               l_pin, nb, tail, b, hk, lo, D, BLOCK_N, STAGES, False)
-        if nb > 1:
-            q, p, acc, m_i, l_i, alpha = _step(nb - 1, q, p, acc, m_i, l_i, alpha, qk_scale, KD, VD, k_smem, v_smem,
-                                               kv_bar, l_pin, nb, tail, b, hk, lo, D, BLOCK_N, STAGES, True)
+        for j in range(1, nb):
+            st = j % STAGES
+            sp = (j - 1) % STAGES
+            mbarrier.wait(kv_bar.index(st), (j // STAGES) & 1)
+            s_tok = warpgroup_mma(q, k_smem.index(st).reshape([BLOCK_N, D]).permute((1, 0)), s_zero,
+                                  use_acc=False, is_async=True)
+            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+            acc_tok = warpgroup_mma(p, v_smem.index(sp).reshape([BLOCK_N, D]), acc, is_async=True)
+            # S_j is done once at most one group (P_{j-1} V_{j-1}) is in flight.
+            s, q = warpgroup_mma_wait(1, deps=[s_tok, q])
+            if j == nb - 1:
+                s = gl.where((cols < tail)[None, :], s, float("-inf"))
+            p32, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, False)
+            # The wait has no data dependence on the softmax, and ptxas hoists it above the exponentials (no
+            # overlap left) unless a memory write that needs them comes first: the row sums, to a scratch buffer
+            # nobody reads. (P's registers are rewritten only after the wait: P_{j-1} V_{j-1} still reads them.)
+            l_pin.store(l_i)
+            acc, p = warpgroup_mma_wait(0, deps=[acc_tok, p])
+            p = gl.convert_layout(p32.to(dtype), p_op)
+            # Both operands of block j-1 are consumed: refill its stage with block j-1+STAGES.
+            _issue_kv(KD, VD, k_smem, v_smem, kv_bar, j - 1 + STAGES, nb, b, hk, lo, BLOCK_N, STAGES)
         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
         sl = (nb - 1) % STAGES
         v_last = v_smem.index(sl).reshape([BLOCK_N, D])
