@@ -21,7 +21,8 @@ batch-uniform prefix attention), TMA-eligible caches, at least two KV splits.
 Measured (H200, benchmarks/results/h200/paths.md): hybrid tree attention at Llama-3-8B shapes 32.3 / 92.2 / 317.5 us
 at 8k / 32k / 128k against 41.1 / 113.0 / 406.7 us for the Triton kernel. Tested: numerics on the GPU only (Gluon has
 no CPU interpreter; tests/ops/test_gpu_attention.py); register/shared-memory budget and the softmax/P @ V overlap in
-the machine code offline on the CPU (tests/ops/test_sm90_kernel.py). Not yet run under compute-sanitizer.
+the machine code offline on the CPU (tests/ops/test_sm90_kernel.py). compute-sanitizer memcheck: clean on two GPU
+tests (README).
 
 Reference: J. Shah et al., "FlashAttention-3: Fast and Accurate Attention with Asynchrony and Low-precision",
 arXiv:2407.08608 (producer/consumer asynchrony, intra-warpgroup softmax/GEMM overlap).
