@@ -18,11 +18,12 @@ Scope (the host picks this kernel only for it; everything else takes the Triton 
 fp16/bf16, head dims 64 and 128, one visible length per batch row (``cache_seqlens [B]``: hybrid tree attention and
 batch-uniform prefix attention), TMA-eligible caches, at least two KV splits.
 
-Measured (H200, benchmarks/results/h200/paths.md): hybrid tree attention at Llama-3-8B shapes 32.3 / 92.2 / 317.5 us
-at 8k / 32k / 128k against 41.1 / 113.0 / 406.7 us for the Triton kernel. Tested: numerics on the GPU only (Gluon has
+Measured (H200): hybrid tree attention at Llama-3-8B shapes 32.5 / 87.3 / 300.1 us at 8k / 32k / 128k
+(benchmarks/results/h200/attention.md, 03440b6); the Triton kernel took 41.1 / 113.0 / 406.7 us in an earlier
+comparison (paths.md, when this kernel took 32.3 / 92.2 / 317.5). Tested: numerics on the GPU only (Gluon has
 no CPU interpreter; tests/ops/test_gpu_attention.py); register/shared-memory budget and the softmax/P @ V overlap in
 the machine code offline on the CPU (tests/ops/test_sm90_kernel.py). compute-sanitizer memcheck: clean on two GPU
-tests (README).
+tests (README, cf394b0's kernel).
 
 Reference: J. Shah et al., "FlashAttention-3: Fast and Accurate Attention with Asynchrony and Low-precision",
 arXiv:2407.08608 (producer/consumer asynchrony, intra-warpgroup softmax/GEMM overlap).
