@@ -67,11 +67,15 @@ def report(D: int, dtype: torch.dtype) -> dict:
     usage = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", _cuobjdump(kernel, "--dump-resource-usage"))
     sass = _cuobjdump(kernel, "-sass")
     # Exponentials between "at most one wgmma group in flight" (S_j done, P_{j-1} V_{j-1} running) and "none".
-    overlapped = [seg.count("MUFU.EX2")
-                  for seg in re.findall(r"DEPBAR\.LE gsb0, 0x1(.*?)DEPBAR\.LE gsb0, 0x0", sass, flags=re.S)]
+    segments = re.findall(r"DEPBAR\.LE gsb0, 0x1(.*?)DEPBAR\.LE gsb0, 0x0", sass, flags=re.S)
+    overlapped = [seg.count("MUFU.EX2") for seg in segments]
+    # Warp shuffles in those softmax regions: the row max needs 2 per row (the 4 lanes of a quad); the row sums
+    # stay per lane until after the last block, so they add none.
+    shuffles = [seg.count("SHFL.") for seg in segments]
     return dict(regs=int(usage.group(1)), stack=int(usage.group(2)), local=int(usage.group(4)),
                 shared=kernel.metadata.shared, threads=32 * cfg.num_warps, occupancy=cfg.occupancy,
-                block_n=cfg.block_n, overlapped_exps=overlapped, triton=triton.__version__)
+                block_n=cfg.block_n, overlapped_exps=overlapped, overlapped_shuffles=shuffles,
+                triton=triton.__version__)
 
 
 if __name__ == "__main__":

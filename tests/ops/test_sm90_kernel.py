@@ -5,9 +5,10 @@ every many-row hybrid/prefix case with two or more KV splits runs it). Here it i
 the installed Triton and the ptxas it ships (``tests/ops/sm90_offline.py``, in a process without the interpreter),
 and the machine code is checked for what the kernel's speed rests on: two programs fit on one SM (registers,
 shared memory, no spills), and each key block's exponentials are issued between the wait for its scores and the
-wait for the previous block's P @ V, i.e. while that wgmma runs. (The second wait has no data dependence on the
-softmax; without the kernel's pin, ptxas hoists it above them.) The host-side kernel choice is checked with a
-stubbed device capability.
+wait for the previous block's P @ V, i.e. while that wgmma runs (the second wait has no data dependence on the
+softmax; without the kernel's pin, ptxas hoists it above them), and that softmax shuffles only for the row max
+(the row sums stay per lane until after the last block; checked to fail when they are reduced per block). The
+host-side kernel choice is checked with a stubbed device capability.
 """
 from __future__ import annotations
 
@@ -42,6 +43,9 @@ def test_two_programs_fit_per_sm_and_softmax_overlaps_pv(D, dtype):
     exps_per_block = 64 * r["block_n"] // r["threads"]  # the exponentials one thread computes for one key block
     assert r["overlapped_exps"] and max(r["overlapped_exps"]) >= exps_per_block, (
         f"no block's softmax runs while the previous block's P @ V is in flight: {r}")
+    rows_per_thread = 64 * 4 // r["threads"]  # 64 rows; a row spans the 4 lanes of a quad
+    assert max(r["overlapped_shuffles"]) <= 2 * rows_per_thread, (
+        f"the per-block softmax shuffles more than the row max needs (row sums should stay per lane): {r}")
 
 
 def test_kernel_choice(monkeypatch):
