@@ -179,8 +179,8 @@ def test_load_and_launch_paths(M, N, tma, pdl):
 def test_sm90_kernel_splits_and_unwritten_rows(case, split_rows, monkeypatch):
     """The Gluon sm_90 kernel (the default for many packed rows there) with splits of one, three and seven 64-key
     blocks (ragged last blocks, splits past a row's length) and the split rule's choice, NaN in the cache rows past
-    each length, against the references. Passed on the H200 at d625414 and 03440b6 (at d625414 the 192-row cases
-    also under compute-sanitizer memcheck: 0 errors)."""
+    each length, against the references. Passed on the H200 at d625414, 03440b6 and 79b81d6 (at 79b81d6 the 192-row
+    and rule-chosen cases also under compute-sanitizer memcheck, 0 errors, and racecheck, 0 hazards)."""
     B, M, N, heads, D, dtype = case
     q, kc, vc, kt, vt, lens = _inputs(B, M, N, heads, D, dtype, False, 7 + M + (split_rows or 0))
     mask = _mask(B, M, 8)
