@@ -83,6 +83,7 @@ def _lane_sums(x):
 def _softmax(s, m_i, l_i, qk_scale, MASKED: gl.constexpr):
     """Online-softmax update in log2 units; returns (p, m_new, l_new, alpha). ``s`` holds raw scores (-inf where
     hidden). MASKED: a row may have seen nothing yet (m = -inf): subtract 0 there so exp2 gives 0, not NaN.
+    The same update as ``attention._softmax_step`` (Triton), which a Gluon kernel cannot call: change both together.
 
     The kernel is bound by the latency of this chain (Nsight Compute on the H200: ~1.9 warps per scheduler, no
     eligible warp in 57% of cycles, mostly waiting on dependent arithmetic), so it is kept short: the row max is a
