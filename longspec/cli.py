@@ -174,6 +174,8 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--kl-weight", type=float, default=0.0, help="weight of KL(target || draft) added to the CE")
+    p.add_argument("--draft-vocab-size", type=int, default=0,
+                   help="checkpoints carry the N most frequent training tokens as the draft's reduced vocabulary")
     p.add_argument("--delta-max", type=int, default=5, help="flash noisy: largest lag of the target K/V")
     p.add_argument("--no-anchor-offset", action="store_true", help="plain positions (ablation)")
     p.add_argument("--no-flash-noisy", action="store_true", help="always lag 1 (ablation)")
@@ -203,7 +205,8 @@ def run_train(args: argparse.Namespace) -> int:
         draft = LongSpecDraft.from_pretrained(args.draft_init, target=target, dtype=torch.float32)
     cfg = TrainConfig(data=DataConfig(paths=args.data, field=args.field, seq_len=args.seq_len), out_dir=args.out,
                       steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
-                      kl_weight=args.kl_weight, delta_max=args.delta_max, anchor_offset=not args.no_anchor_offset,
+                      kl_weight=args.kl_weight, draft_vocab_size=args.draft_vocab_size,
+                      delta_max=args.delta_max, anchor_offset=not args.no_anchor_offset,
                       flash_noisy=not args.no_flash_noisy, parallel=Parallel(args.parallel), seed=args.seed,
                       save_every=args.save_every, log_every=args.log_every, tensorboard=args.tensorboard)
     history = train(cfg, target, tokenizer, draft=draft)

@@ -130,6 +130,28 @@ def _prefix_cuda(q, k_cache, v_cache, kv_lens, scale):
 lib.impl("prefix_attn", _prefix_cpu, "CPU")
 lib.impl("prefix_attn", _prefix_cuda, "CUDA")
 
+# The same kernel without the argument checks, for callers that checked once per forward the arguments every layer
+# repeats (longspec.model.target: the first layer goes through the public op, the rest through this one).
+lib.define("_prefix_attn_kernel(Tensor q, Tensor k_cache, Tensor v_cache, Tensor kv_lens, float scale) -> (Tensor, Tensor)")
+
+
+@torch.library.register_fake("longspec::_prefix_attn_kernel", lib=lib)
+def _prefix_kernel_fake(q, k_cache, v_cache, kv_lens, scale):
+    return _empty_outputs(q)
+
+
+def _prefix_kernel_cpu(q, k_cache, v_cache, kv_lens, scale):
+    out, lse = ref.prefix_attn(q, k_cache, v_cache, kv_lens, scale)
+    return out.contiguous(), lse
+
+
+def _prefix_kernel_cuda(q, k_cache, v_cache, kv_lens, scale):
+    return _kernels().prefix_attn(q, k_cache, v_cache, kv_lens, scale)
+
+
+lib.impl("_prefix_attn_kernel", _prefix_kernel_cpu, "CPU")
+lib.impl("_prefix_attn_kernel", _prefix_kernel_cuda, "CUDA")
+
 
 # hybrid_tree_attn ----------------------------------------------------------------------------------------------
 lib.define(
@@ -166,6 +188,30 @@ def _hybrid_cuda(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, tree_mask, 
 
 lib.impl("hybrid_tree_attn", _hybrid_cpu, "CPU")
 lib.impl("hybrid_tree_attn", _hybrid_cuda, "CUDA")
+
+# Unchecked twin (see _prefix_attn_kernel).
+lib.define(
+    "_hybrid_tree_attn_kernel(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor k_tree, "
+    "Tensor v_tree, Tensor tree_mask, float scale) -> (Tensor, Tensor)"
+)
+
+
+@torch.library.register_fake("longspec::_hybrid_tree_attn_kernel", lib=lib)
+def _hybrid_kernel_fake(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, tree_mask, scale):
+    return _empty_outputs(q)
+
+
+def _hybrid_kernel_cpu(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, tree_mask, scale):
+    out, lse = ref.hybrid_tree_attn(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, tree_mask, scale)
+    return out.contiguous(), lse
+
+
+def _hybrid_kernel_cuda(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, tree_mask, scale):
+    return _kernels().hybrid_tree_attn(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, tree_mask, scale)
+
+
+lib.impl("_hybrid_tree_attn_kernel", _hybrid_kernel_cpu, "CPU")
+lib.impl("_hybrid_tree_attn_kernel", _hybrid_kernel_cuda, "CUDA")
 
 
 # draft_cross_attn ----------------------------------------------------------------------------------------------

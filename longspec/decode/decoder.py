@@ -13,13 +13,21 @@ A generate call:
 4. **Stops per row:** EOS ids, exactly ``max_new_tokens``; tokens after a stop in the same round are dropped and a
    stopped row stays in the batch, masked. The only host sync per round reads whether any row is still active.
 
+With ``cuda_graphs=True`` a round is graph replays only (:mod:`~longspec.decode.graphs`): the drafter's
+``propose``, the target forward, and the *tail* (draws, acceptance, stops, ``commit_kv_`` and the state update).
+With ``compile=True`` the target's layers (:class:`~longspec.model.target.CompiledTarget`), the drafter's
+``propose`` and the tail are ``torch.compile``d, so each replays as a few fused kernels per layer instead of
+dozens of small ones.
+
 Sampling is :func:`~longspec.decode.sampling.sample_tokens` for both paths; with a ``seed`` the speculative output
 equals plain decoding's token for token.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
+import functools
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -30,6 +38,7 @@ from torch import Tensor
 
 import longspec_ops  # noqa: F401  (registers torch.ops.longspec)
 from longspec.model.target import (
+    CompiledTarget,
     StaticKVCache,
     check_generation_length,
     check_supported,
@@ -40,7 +49,8 @@ from longspec.model.target import (
 )
 
 from .drafter import DecodeState, DraftTree, Drafter, TreeSpec
-from .sampling import SamplingParams, sample_tokens
+from .graphs import CapturedCall, capture
+from .sampling import SamplingParams, sample_tokens, seed_words
 from .tree import prefix_tree_mask, tree_mask_from_parents, tree_positions
 from .verify import accept_tree, node_draws
 
@@ -66,6 +76,7 @@ class DecodeStats:
     """Per-generate counters. ``tau`` = mean tokens emitted per verify forward over active rows (prefill excluded).
 
     Times are seconds of wall clock (CUDA events on GPU) around the phases: reporting, not a benchmark.
+    ``time_verify`` covers the target forward and the round's tail (acceptance, commit, state update).
     """
 
     rounds: int = 0
@@ -110,8 +121,9 @@ class _Prompt:
 
 
 @dataclass
-class _Run:
-    """The mutable state of one generate call (static shapes; updated in place)."""
+class Run:
+    """The mutable state of one generate call (static shapes; updated in place); :meth:`SpeculativeDecoder.step`
+    advances it by one round."""
 
     state: DecodeState
     params: SamplingParams
@@ -122,10 +134,18 @@ class _Run:
     pending: Tensor  # int64 [B] (REFEED) rows [seqlens - pending, seqlens) held by the last layer only
     history: list[Tensor] = field(default_factory=list)  # per round: int64 [B] tokens emitted
     draft_graph: Optional["_CudaGraphDraft"] = None  # the captured propose of this call (cuda_graphs only)
+    tail: Optional[CapturedCall] = None  # this call's round tail as a CUDA graph (cuda_graphs only)
+    seed: Optional[Tensor] = None  # int64 [2]: params.seed as data (seed_words), when seeded
+
+    @property
+    def noise_generator(self) -> Optional[torch.Generator]:
+        """The generator the draws consume: only unseeded sampling draws from one (greedy and seeded need none)."""
+        return None if self.params.greedy or self.params.seed is not None else self.generator
 
 
-class _PhaseTimer:
-    """Accumulates time per phase name: CUDA events on GPU (read once at the end, no per-round sync)."""
+class PhaseTimer:
+    """Accumulates time per phase name ("prefill", "draft", "verify" = the target forward, "accept" = the round's
+    tail): CUDA events on GPU (read once at the end, no per-round sync), wall clock on CPU."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -154,68 +174,28 @@ class _PhaseTimer:
         return dict(self.totals)
 
 
-class _CudaGraphForward:
-    """UNTESTED ON CPU (needs a CUDA device; the lead validates it on an H200).
-
-    Captures ``fn(*inputs)`` as one CUDA graph per input shapes and replays it after copying the inputs into
-    static buffers. ``fn`` must read everything else from persistent tensors (the cache and its ``seqlens``) and
-    may only write scratch cache rows, since the warm-up runs execute it for real.
-    """
-
-    def __init__(self, fn: Callable[..., Tensor]) -> None:
-        self.fn = fn
-        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[Tensor], Tensor]] = {}
-
-    def __call__(self, *inputs: Tensor) -> Tensor:
-        key = tuple((tuple(t.shape), t.dtype) for t in inputs)
-        if key not in self._graphs:
-            self._graphs[key] = self._capture(inputs)
-        graph, static_inputs, static_out = self._graphs[key]
-        for dst, src in zip(static_inputs, inputs):
-            dst.copy_(src)
-        graph.replay()
-        return static_out
-
-    def _capture(self, inputs: Sequence[Tensor]) -> tuple[torch.cuda.CUDAGraph, list[Tensor], Tensor]:
-        static_inputs = [t.clone() for t in inputs]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up: Triton autotuning and allocator growth happen outside the capture
-                self.fn(*static_inputs)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out = self.fn(*static_inputs)
-        return graph, static_inputs, static_out
-
-
 class _CudaGraphDraft:
-    """UNTESTED ON CPU (needs a CUDA device). ``drafter.propose(state, tree)`` captured as one CUDA graph.
+    """``drafter.propose(state, tree)`` captured as one CUDA graph (:func:`~longspec.decode.graphs.capture`).
 
     Valid for one ``generate`` call: the graph reads the call's ``DecodeState`` tensors and the drafter's cache in
-    place (both persistent within the call). Triton kernels compile in a warm-up run before capture; that run's
-    writes are undone by restoring ``drafter.graph_state()`` from a snapshot.
+    place (both persistent within the call). The warm-up runs' writes are undone by restoring
+    ``drafter.graph_state()`` from a snapshot before each of them and before the capture.
     """
 
-    def __init__(self, drafter: Drafter, state: DecodeState, tree: TreeSpec) -> None:
+    def __init__(self, propose: Callable[[DecodeState, TreeSpec], DraftTree], drafter: Drafter, state: DecodeState,
+                 tree: TreeSpec) -> None:
         mutated = drafter.graph_state()
         snapshot = [t.clone() for t in mutated]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            drafter.propose(state, tree)
+
+        def restore() -> None:
             for t, saved in zip(mutated, snapshot):
                 t.copy_(saved)
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            out = drafter.propose(state, tree)
-        self.tokens, self.parents = out.tokens, out.parents
+
+        self.graph, self.tree = capture(lambda: propose(state, tree), reset=restore)
 
     def __call__(self) -> DraftTree:
         self.graph.replay()
-        return DraftTree(self.tokens, self.parents)
+        return self.tree
 
 
 def stop_lengths(
@@ -250,9 +230,13 @@ class SpeculativeDecoder:
         target: the model to decode (any dtype/device; it is run in eval semantics under ``inference_mode``).
         drafter: a :class:`~longspec.decode.drafter.Drafter` or None for plain decoding on the same kernels.
         tree_shape: nodes per depth (``(4, 16, 16, 16, 16)``: 69 nodes with the root; a chain is ``(1, 1, 1, 1)``).
-        cuda_graphs: capture the target's verify / decode forwards as CUDA graphs, and the drafter's ``propose``
-            when it offers ``graph_state()`` (all three built-in drafters do; CUDA only). The target forwards were
-            validated on an H200; the captured draft step is new and has not run on a GPU yet.
+        cuda_graphs: replay every round from CUDA graphs (CUDA only): the target's decode / verify forwards
+            (captured once per decoder), the drafter's ``propose`` when it offers ``graph_state()`` (all three
+            built-in drafters do) and the round's tail (captured once per ``generate`` call).
+        compile: ``torch.compile`` the target's decoder layers (:class:`~longspec.model.target.CompiledTarget`),
+            the drafter's ``propose`` when it declares ``compilable = True`` (the LongSpec and prompt-lookup
+            drafters do) and the round's tail. The first round of each new shape waits for the compile (seconds
+            per compiled function; torch.compile caches the results on disk, so later processes wait less).
         prefill_chunk_size: prompt tokens per prefill forward (bounds prefill activation memory).
         max_cache_len: refuse requests needing more cache rows than this (prompt + max_new_tokens + scratch rows).
         kv_update: :class:`KVUpdate` strategy for the accepted path's K/V (COMMIT by default).
@@ -276,6 +260,7 @@ class SpeculativeDecoder:
         prefill_chunk_size: int = 8192,
         max_cache_len: Optional[int] = None,
         kv_update: KVUpdate = KVUpdate.COMMIT,
+        compile: bool = False,
     ) -> None:
         check_supported(target)
         _check_drafter(target, drafter, kv_update)
@@ -289,7 +274,14 @@ class SpeculativeDecoder:
         self.prefill_chunk_size = prefill_chunk_size
         self.max_cache_len = max_cache_len
         self._cache: Optional[StaticKVCache] = None
-        self._graphs: dict[str, _CudaGraphForward] = {}
+        self._graphs: dict[str, CapturedCall] = {}
+        self._compiled = CompiledTarget(target) if compile else None
+        self._propose_fn = drafter.propose if drafter is not None else None
+        self._tail_fns = _TAIL
+        if compile:
+            if getattr(drafter, "compilable", False):
+                self._propose_fn = torch.compile(drafter.propose, fullgraph=True)
+            self._tail_fns = {name: torch.compile(fn, fullgraph=True) for name, fn in _TAIL.items()}
 
     # -- public ---------------------------------------------------------------------------------------------------
 
@@ -323,14 +315,15 @@ class SpeculativeDecoder:
         total = prompt.max_len + max_new_tokens
         check_generation_length(self.target, total)
         eos = _eos_ids(eos_token_id, self.target)
-        timer = _PhaseTimer(device)
+        timer = PhaseTimer(device)
         t0 = time.perf_counter()
         with torch.inference_mode(), use_longspec_attention(self.target):
             run = self._start(prompt, params, eos, max_new_tokens, generator, timer)
             if streamer is not None:
                 streamer(run.state.root[:, None], torch.ones_like(run.generated))
-            while bool(run.state.active.any()):  # the round's one host sync
-                self._round(run, timer, streamer)
+            with self._compiled.active() if self._compiled is not None else contextlib.nullcontext():
+                while bool(run.state.active.any()):  # the round's one host sync
+                    self._round(run, timer, streamer)
             sequences = _output_sequences(input_ids.to(device), prompt, run, _pad_id(self.target, eos))
         stats = _stats(run, timer, time.perf_counter() - t0)
         return GenerateOutput(sequences, _accept_lengths(run), stats)
@@ -338,27 +331,67 @@ class SpeculativeDecoder:
     # -- phases ---------------------------------------------------------------------------------------------------
 
     def _start(self, prompt: _Prompt, params: SamplingParams, eos: Tensor, max_new: int,
-               generator: Optional[torch.Generator], timer: _PhaseTimer) -> _Run:
+               generator: Optional[torch.Generator], timer: PhaseTimer) -> Run:
         """Allocate, prefill, sample the first token and let the drafter prefill."""
         B = prompt.tokens.shape[0]
         cache = self._cache_for(B, prompt.max_len + max_new + self._scratch_rows())
-        self.tree.depth_tensor(cache.kv.device)  # made here, outside any graph capture
         width = prompt.max_len + max_new + self.tree.depth + 2  # room for a round's writes past the end
         tokens = torch.zeros(B, width, dtype=torch.int64, device=cache.kv.device)
         tokens[:, : prompt.tokens.shape[1]] = prompt.tokens
         with timer.phase("prefill"):
             logits = self._prefill_logits(cache, prompt)
             root = sample_tokens(logits, params, prompt.lens[:, None], generator)[:, 0]
-        cache.seqlens.copy_(prompt.lens.to(torch.int32))
-        tokens.scatter_(1, prompt.lens[:, None], root[:, None])
+        return self._begin(cache, tokens, prompt.lens, root, params, eos, max_new, generator, timer)
+
+    def _begin(self, cache: StaticKVCache, tokens: Tensor, lens: Tensor, root: Tensor, params: SamplingParams,
+               eos: Tensor, max_new: int, generator: Optional[torch.Generator], timer: PhaseTimer) -> Run:
+        """The run after the prefill: ``lens`` committed rows per row, ``root`` pending; the drafter prefills."""
+        self.tree.depth_tensor(cache.kv.device)  # made here, outside any graph capture
+        cache.seqlens.copy_(lens.to(torch.int32))
+        tokens.scatter_(1, lens[:, None], root[:, None])
         active = ~torch.isin(root, eos) & (max_new > 1)
         state = DecodeState(self.target, cache, tokens, root, active)
-        zeros = torch.zeros(B, dtype=torch.int64, device=root.device)
-        run = _Run(state, params, eos, max_new, zeros + 1, generator, pending=zeros.clone())
+        zeros = torch.zeros(root.shape[0], dtype=torch.int64, device=root.device)
+        run = Run(state, params, eos, max_new, zeros + 1, generator, pending=zeros.clone())
+        if params.seed is not None:
+            run.seed = seed_words(params.seed, root.device)
+        # the token buffer's width changes with every request: one dynamic dimension, not one compile per width
+        torch._dynamo.maybe_mark_dynamic(tokens, 1)
         if self.drafter is not None:
             with timer.phase("draft"):
                 self.drafter.prefill(state, self.tree)
         return run
+
+    def synthetic_run(self, context: int, batch: int = 1, rounds: int = 64, seed: int = 0) -> Run:
+        """A greedy run over ``context`` committed rows of random K/V and random tokens, with no prefill, room for
+        ``rounds`` more rounds and no stop: what the step benchmarks time (a round's cost depends on the committed
+        length and the shapes, not on the values). Drive it with :meth:`step`."""
+        device = self.target.get_output_embeddings().weight.device
+        max_new = rounds * (self.tree.depth + 1) + 1
+        cache = self._cache_for(batch, context + max_new + self._scratch_rows())
+        gen = torch.Generator(device=device).manual_seed(seed)
+        cache.kv.normal_(generator=gen)
+        vocab = self.target.get_output_embeddings().weight.shape[0]
+        tokens = torch.randint(0, vocab, (batch, context + max_new + self.tree.depth + 2), device=device,
+                               generator=gen)
+        lens = torch.full((batch,), context, dtype=torch.int64, device=device)
+        no_stop = torch.zeros(0, dtype=torch.int64, device=device)
+        with torch.inference_mode(), use_longspec_attention(self.target):
+            return self._begin(cache, tokens, lens, tokens[:, context].clone(), SamplingParams(), no_stop, max_new,
+                               None, PhaseTimer(device))
+
+    @contextlib.contextmanager
+    def rounds(self) -> Iterator[None]:
+        """What :meth:`generate` holds around its rounds (inference mode, the longspec attention, the compiled
+        layers): :meth:`step` runs inside it."""
+        with torch.inference_mode(), use_longspec_attention(self.target):
+            with self._compiled.active() if self._compiled is not None else contextlib.nullcontext():
+                yield
+
+    def step(self, run: Run, timer: Optional[PhaseTimer] = None) -> None:
+        """One round of ``run`` on the device, with no host sync: what :meth:`generate` repeats. Call it inside
+        :meth:`rounds`; ``timer`` (a :class:`PhaseTimer`) collects its phases' times when given."""
+        self._round(run, timer or PhaseTimer(run.state.root.device), None)
 
     def _prefill_logits(self, cache: StaticKVCache, prompt: _Prompt) -> Tensor:
         """Write the prompt's K/V chunk by chunk; float32 logits ``[B, 1, V]`` at each row's last prompt token."""
@@ -375,70 +408,88 @@ class SpeculativeDecoder:
             hidden_last = picked if hidden_last is None else torch.where(in_chunk, picked, hidden_last)
         return lm_logits(self.target, hidden_last)
 
-    def _round(self, run: _Run, timer: _PhaseTimer, streamer: Optional[Streamer]) -> None:
+    def _round(self, run: Run, timer: PhaseTimer, streamer: Optional[Streamer]) -> None:
+        """One round on the device: [propose,] target forward, tail. No host sync (the caller reads ``active``)."""
         if self.drafter is None:
             with timer.phase("verify"):
-                emitted = self._plain_step(run)
-            counts, accept_index = torch.ones_like(run.generated), None
+                logits = self._forward("decode", self._decode_logits)(run.state.root[:, None])
+            with timer.phase("accept"):
+                emitted, kept = self._tail(run, "plain", logits)
         else:
             with timer.phase("draft"):
                 draft = self._propose(run)
             with timer.phase("verify"):
-                emitted, counts, accept_index = self._verify_step(run, draft.tokens, draft.parents)
-        kept = self._advance(run, emitted, counts, accept_index)
+                mask = self._tree_mask(run, draft)
+                logits = self._verify_logits(run, draft.tokens, mask)
+            with timer.phase("accept"):
+                emitted, kept = self._tail(run, "accept", logits, draft.tokens, draft.parents, mask)
+        run.history.append(kept.clone())  # under graphs `kept` is the tail's static output, rewritten next round
         if streamer is not None:
             streamer(emitted, kept)
 
-    def _propose(self, run: _Run) -> DraftTree:
+    def _propose(self, run: Run) -> DraftTree:
         """The drafter's tree; under CUDA graphs when enabled and the drafter offers ``graph_state`` (captured on
         the first round of each generate call)."""
         graphable = self.cuda_graphs and hasattr(self.drafter, "graph_state") and run.state.root.is_cuda
         if not graphable:
-            return self.drafter.propose(run.state, self.tree)
+            return self._propose_fn(run.state, self.tree)
         if run.draft_graph is None:
-            run.draft_graph = _CudaGraphDraft(self.drafter, run.state, self.tree)
+            run.draft_graph = _CudaGraphDraft(self._propose_fn, self.drafter, run.state, self.tree)
         return run.draft_graph()
 
-    def _plain_step(self, run: _Run) -> Tensor:
-        """One token per row through ``prefix_attn``; int64 ``[B, 1]``."""
-        state = run.state
-        logits = self._graphed("decode", self._decode_logits)(state.root[:, None])
-        positions = state.seqlens.to(torch.int64)[:, None] + 1
-        return sample_tokens(logits, run.params, positions, run.generator)
-
-    def _verify_step(self, run: _Run, tokens: Tensor, parents: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Verify a draft tree; returns ``(emitted [B, D+1], accept_len [B], accept_index [B, D+1])``."""
-        T = self.tree.num_nodes
-        if tokens.shape != (run.state.root.shape[0], T) or parents.shape != tokens.shape:
+    def _tree_mask(self, run: Run, draft: DraftTree) -> Tensor:
+        """The draft's ancestor-or-self mask: the drafter's own when it built one, else built from the parents."""
+        B, T = run.state.root.shape[0], self.tree.num_nodes
+        if draft.tokens.shape != (B, T) or draft.parents.shape != (B, T):
             raise ValueError(f"the drafter must propose tokens and parents of shape [B, {T}], got "
-                             f"{tuple(tokens.shape)} and {tuple(parents.shape)}")
-        mask = tree_mask_from_parents(parents, self.tree)
+                             f"{tuple(draft.tokens.shape)} and {tuple(draft.parents.shape)}")
+        if draft.mask is None:
+            return tree_mask_from_parents(draft.parents, self.tree)
+        if draft.mask.shape != (B, T, T) or draft.mask.dtype != torch.bool:
+            raise ValueError(f"the drafter's tree mask must be bool [B, {T}, {T}], got {draft.mask.dtype} "
+                             f"{tuple(draft.mask.shape)}")
+        return draft.mask
+
+    def _verify_logits(self, run: Run, tokens: Tensor, mask: Tensor) -> Tensor:
+        """Target logits ``[B, T, V]`` at every node of the tree ``tokens`` (int64 ``[B, T]``) under ``mask``."""
         if self.kv_update is KVUpdate.REFEED:
             pending = run.state.tokens.gather(1, self._pending_columns(run))
-            logits = self._graphed("verify", self._refeed_tree_logits)(pending, run.pending, tokens, mask)
-        else:
-            logits = self._graphed("verify", self._tree_logits)(tokens, mask)
-        draws = node_draws(logits, run.params, run.state.seqlens, self.tree, run.generator)
-        acc = accept_tree(tokens, parents, mask, draws, self.tree)
-        return acc.emitted, acc.accept_len, acc.accept_index
+            return self._forward("verify", self._refeed_tree_logits)(pending, run.pending, tokens, mask)
+        return self._forward("verify", self._tree_logits)(tokens, mask)
 
-    def _advance(self, run: _Run, emitted: Tensor, counts: Tensor, accept_index: Optional[Tensor]) -> Tensor:
-        """Apply stops, commit the accepted rows, append tokens and move the root. Returns tokens kept [B]."""
-        state = run.state
-        kept, finished = stop_lengths(emitted, counts, run.eos, run.max_new - run.generated, state.active)
+    def _tail(self, run: Run, name: str, logits: Tensor, *inputs: Tensor) -> tuple[Tensor, Tensor]:
+        """The round's tail (``_accept_tail`` or ``_plain_tail``): draws, stops, commit and state update.
+
+        Returns ``(emitted [B, A], kept [B])``. Under CUDA graphs it is captured on the first round of the call,
+        with every row marked inactive while the warm-up runs (so they keep nothing, commit nothing and move no
+        state), and replayed from then on; ``logits`` is then the forward graph's static output, the same tensor
+        every round.
+        """
+        if not (self.cuda_graphs and logits.is_cuda):
+            return self._tail_body(name, run, logits, *inputs)
+        if run.tail is None:
+            gens = [g for g in (run.noise_generator,) if g is not None]
+            run.tail = CapturedCall(functools.partial(self._tail_body, name, run, logits), generators=gens)
+            active = run.state.active.clone()
+            run.state.active.zero_()
+            run.tail.capture(*inputs)
+            run.state.active.copy_(active)
+        return run.tail(*inputs)
+
+    def _tail_body(self, name: str, run: Run, logits: Tensor, *inputs: Tensor) -> tuple[Tensor, Tensor]:
+        state, generator = run.state, run.noise_generator
+        fns = self._tail_fns if generator is None else _TAIL  # torch.compile cannot take a torch.Generator
+        remaining = run.max_new - run.generated
+        # the seed travels as data (run.seed), so the tail's compiled graph serves every seed
+        params = run.params if run.params.seed is None else dataclasses.replace(run.params, seed=0)
+        emitted, kept, finished, accept_index = fns[name](logits, *inputs, params, self.tree, state.seqlens,
+                                                          run.eos, remaining, state.active, generator, run.seed)
         if accept_index is not None:
             self._commit(run, accept_index, kept)
-        base = state.seqlens.to(torch.int64)[:, None] + 1
-        state.tokens.scatter_(1, base + torch.arange(emitted.shape[1], device=base.device), emitted)
-        new_root = emitted.gather(1, (kept - 1).clamp(min=0)[:, None])[:, 0]
-        state.root.copy_(torch.where(kept > 0, new_root, state.root))
-        state.seqlens.add_(kept.to(torch.int32))
-        run.generated.add_(kept)
-        state.active.logical_and_(~finished)
-        run.history.append(kept)
-        return kept
+        fns["advance"](state.tokens, state.root, state.seqlens, run.generated, state.active, emitted, kept, finished)
+        return emitted, kept
 
-    def _commit(self, run: _Run, accept_index: Tensor, kept: Tensor) -> None:
+    def _commit(self, run: Run, accept_index: Tensor, kept: Tensor) -> None:
         """Compact root + accepted drafts into rows ``seqlens + [0, kept)``: every layer (COMMIT) or the last (REFEED)."""
         cache = run.state.cache
         if self.kv_update is KVUpdate.COMMIT:
@@ -450,7 +501,7 @@ class SpeculativeDecoder:
                                 kept.to(torch.int32))
         run.pending.copy_(kept)
 
-    def _pending_columns(self, run: _Run) -> Tensor:
+    def _pending_columns(self, run: Run) -> Tensor:
         """int64 ``[B, depth + 1]`` token-buffer columns of the path to re-feed (valid below ``run.pending``)."""
         start = run.state.seqlens.to(torch.int64) - run.pending
         return start[:, None] + torch.arange(self.tree.depth + 1, device=start.device)
@@ -485,11 +536,12 @@ class SpeculativeDecoder:
         hidden = forward_tree(self.target, cache, ids, positions, full_mask, seqlens=held)
         return lm_logits(self.target, hidden[:, R:])
 
-    def _graphed(self, name: str, fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    def _forward(self, name: str, fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        """``fn`` itself, or its CUDA graph (captured once per decoder and input shapes) under ``cuda_graphs``."""
         if not self.cuda_graphs or self._cache.kv.device.type != "cuda":
             return fn
         if name not in self._graphs:
-            self._graphs[name] = _CudaGraphForward(fn)
+            self._graphs[name] = CapturedCall(fn)
         return self._graphs[name]
 
     def _cache_for(self, batch: int, rows: int) -> StaticKVCache:
@@ -507,6 +559,39 @@ class SpeculativeDecoder:
             self._cache, self._graphs = cache, {}
         cache.seqlens.zero_()
         return cache
+
+
+# -- the round's tail: pure tensor functions (torch.compile'd with compile=True) --------------------------------------
+
+
+def _accept_tail(logits, tokens, parents, mask, params, tree, seqlens, eos, remaining, active, generator, seed):
+    """Verify: ``(emitted [B, D+1], kept [B], finished [B], accept_index [B, D+1])`` for a tree's target logits."""
+    draws = node_draws(logits, params, seqlens, tree, generator, seed)
+    acc = accept_tree(tokens, parents, mask, draws, tree)
+    kept, finished = stop_lengths(acc.emitted, acc.accept_len, eos, remaining, active)
+    return acc.emitted, kept, finished, acc.accept_index
+
+
+def _plain_tail(logits, params, tree, seqlens, eos, remaining, active, generator, seed):
+    """Plain decoding: one token per row drawn at position ``seqlens + 1``; no acceptance, no commit."""
+    emitted = sample_tokens(logits, params, seqlens.to(torch.int64)[:, None] + 1, generator, seed=seed)
+    kept, finished = stop_lengths(emitted, torch.ones_like(remaining), eos, remaining, active)
+    return emitted, kept, finished, None
+
+
+def _advance(tokens: Tensor, root: Tensor, seqlens: Tensor, generated: Tensor, active: Tensor, emitted: Tensor,
+             kept: Tensor, finished: Tensor) -> None:
+    """Append each row's kept tokens after its root, make the last one the new root, and advance the lengths."""
+    base = seqlens.to(torch.int64)[:, None] + 1
+    tokens.scatter_(1, base + torch.arange(emitted.shape[1], device=base.device), emitted)
+    new_root = emitted.gather(1, (kept - 1).clamp(min=0)[:, None])[:, 0]
+    root.copy_(torch.where(kept > 0, new_root, root))
+    seqlens.add_(kept.to(torch.int32))
+    generated.add_(kept)
+    active.logical_and_(~finished)
+
+
+_TAIL = {"accept": _accept_tail, "plain": _plain_tail, "advance": _advance}
 
 
 # -- helpers --------------------------------------------------------------------------------------------------------
@@ -583,7 +668,7 @@ def _pad_id(model, eos: Tensor) -> int:
     return int(eos[0]) if eos.numel() else 0
 
 
-def _output_sequences(input_ids: Tensor, prompt: _Prompt, run: _Run, pad: int) -> Tensor:
+def _output_sequences(input_ids: Tensor, prompt: _Prompt, run: Run, pad: int) -> Tensor:
     """``[B, S_in + G]``: the input as given, then the generated tokens, padded after each row's end."""
     G = int(run.generated.max())
     col = torch.arange(G, device=input_ids.device)[None, :]
@@ -592,14 +677,14 @@ def _output_sequences(input_ids: Tensor, prompt: _Prompt, run: _Run, pad: int) -
     return torch.cat([input_ids.to(torch.int64), gen], dim=1)
 
 
-def _accept_lengths(run: _Run) -> list[list[int]]:
+def _accept_lengths(run: Run) -> list[list[int]]:
     if not run.history:
         return [[] for _ in range(run.generated.shape[0])]
     table = torch.stack(run.history, dim=1).cpu().tolist()  # [B, rounds]
     return [[n for n in row if n > 0] for row in table]
 
 
-def _stats(run: _Run, timer: _PhaseTimer, wall: float) -> DecodeStats:
+def _stats(run: Run, timer: PhaseTimer, wall: float) -> DecodeStats:
     times = timer.seconds()
     emitted = torch.stack(run.history) if run.history else torch.zeros(0, dtype=torch.int64)
     active_pairs = int((emitted > 0).sum())
@@ -609,7 +694,7 @@ def _stats(run: _Run, timer: _PhaseTimer, wall: float) -> DecodeStats:
         tau=float(emitted.sum()) / active_pairs if active_pairs else 0.0,
         time_prefill=times.get("prefill", 0.0),
         time_draft=times.get("draft", 0.0),
-        time_verify=times.get("verify", 0.0),
+        time_verify=times.get("verify", 0.0) + times.get("accept", 0.0),
     )
     stats.time_other = max(wall - stats.time_prefill - stats.time_draft - stats.time_verify, 0.0)
     return stats

@@ -9,7 +9,7 @@ becomes the next root.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Optional, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -70,12 +70,16 @@ class DraftTree:
 
     tokens:  int64 [B, T]  node tokens in the TreeSpec's level order; ``tokens[:, 0]`` is the root.
     parents: int64 [B, T]  parent node index; -1 for the root; a depth-d node's parent has depth d - 1.
+    mask:    bool [B, T, T] or None: the ancestor-or-self mask (``mask[b, i, j]``: node j is node i or one of its
+             ancestors), when the drafter built it anyway; the engine then uses it as is (it must equal
+             :func:`~longspec.decode.tree.tree_mask_from_parents` of ``parents``), else the engine builds it.
     Siblings should be distinct tokens, in the drafter's preferred order (verification visits them in index
     order); duplicates are allowed and only cost acceptance.
     """
 
     tokens: Tensor
     parents: Tensor
+    mask: Optional[Tensor] = None
 
 
 @dataclass
@@ -112,6 +116,8 @@ class Drafter(Protocol):
     keeps static shapes and reads the ``DecodeState`` tensors in place returns the tensors ``propose`` mutates, and
     the engine (with ``cuda_graphs=True``) then captures ``propose`` as a CUDA graph once per ``generate`` (the
     warm-up run before capture is undone by restoring those tensors). Without it, ``propose`` runs eagerly.
+    ``compilable``: True when ``torch.compile(propose, fullgraph=True)`` traces (no host syncs, no Python control
+    flow on tensor values); the engine compiles it when built with ``compile=True``.
     ``nbytes()``: the device memory the drafter holds, for reports.
     """
 

@@ -14,8 +14,10 @@ included) plus its ancestors and itself; the left edge depends on the node's dep
 * ``win_k/win_v [B, W+1, Hkv, D]``: the ring re-read newest first (row j = position ``root - j``), once per round.
   The attention ops see rows ``[0, len)`` of a cache, and in this order every query's window is such a prefix:
   ``min(W + 1 - d, root + 1)`` rows at depth d. (A ring read in place would need a cyclic range per row.)
-* ``tree_k/tree_v [B, T-1, Hkv, D]``, ``tree_q [B, T-1, Hq, D]``, ``anc [B, T-1, T-1]``: the non-root nodes'
-  K/V and queries in level order, and their ancestor-or-self mask.
+* ``tree_k/tree_v [B, T-1, Hkv, D]``, ``tree_q [B, T-1, Hq, D]``: the non-root nodes' K/V and queries in level
+  order; ``mask [B, T, T]``: the whole tree's ancestor-or-self mask, grown level by level. Its non-root block is
+  the draft's tree attention mask, and the whole of it goes to the engine with the tree (the verify forward's
+  mask), so the tree structure is built once per round.
 
 **A round** (:meth:`LongSpecDrafter.propose`): (1) re-feed: the K/V of the tokens committed since the last call and
 of the new root (at most ``depth + 1`` of them; a fixed count, masked) go into the ring; only the root also needs a
@@ -24,6 +26,8 @@ query, since a single block's K/V depend on nothing but (token, position). (2) T
 ``prefix_attn`` over the window merged with ``tree_attn`` over the ancestors; cross-attention = ``draft_cross_attn``
 with ``q_pos = root + d`` and the target's committed length, so every node sees the target rows before the root.
 Each level keeps the global top-k (parent, token) pairs by cumulative log-probability. Leaves are never run.
+With a reduced drafting vocabulary (:meth:`~longspec.model.draft.LongSpecDraft.set_draft_vocab`) each level scores
+only those rows of the LM head, and the chosen columns map back to target ids.
 Everything is batched over rows with ragged lengths; there is no host synchronisation in the drafter itself.
 
 **Prefill** computes only what the ring needs: the self-attention K/V of each row's last W prompt tokens (a fixed
@@ -54,7 +58,7 @@ class LongSpecDraftCache:
     win_k, win_v:   ``[B, W+1, Hkv, D]`` this round's window, newest first (row j = position ``root - j``).
     tree_k, tree_v: ``[B, T-1, Hkv, D]`` K/V of the non-root nodes (node i in row i - 1).
     tree_q:         ``[B, T-1, Hq, D]`` their self-attention queries (rows of earlier levels pad ``tree_attn``).
-    anc:            bool ``[B, T-1, T-1]`` node i - 1 sees node j - 1 (j is i or a non-root ancestor of i).
+    mask:           bool ``[B, T, T]`` node j is node i or one of its ancestors (the root row and column are fixed).
     """
 
     ring_k: Tensor
@@ -65,7 +69,7 @@ class LongSpecDraftCache:
     tree_k: Tensor
     tree_v: Tensor
     tree_q: Tensor
-    anc: Tensor
+    mask: Tensor
 
     @classmethod
     def allocate(cls, draft: LongSpecDraft, batch: int, tree: TreeSpec, device: torch.device) -> "LongSpecDraftCache":
@@ -82,12 +86,20 @@ class LongSpecDraftCache:
             tree_k=torch.zeros(batch, T1, Hkv, D, **kv),
             tree_v=torch.zeros(batch, T1, Hkv, D, **kv),
             tree_q=torch.zeros(batch, T1, Hq, D, **kv),
-            anc=torch.zeros(batch, T1, T1, dtype=torch.bool, device=device),
+            mask=_root_mask(batch, T1 + 1, device),
         )
 
     def nbytes(self) -> int:
         """Bytes held by the cache's tensors (the drafter's whole persistent device footprint)."""
         return sum(getattr(self, f.name).nbytes for f in fields(self))
+
+
+def _root_mask(batch: int, T: int, device: torch.device) -> Tensor:
+    """The mask's fixed part: every node sees the root (column 0); the root sees only itself. Other rows are
+    written level by level."""
+    mask = torch.zeros(batch, T, T, dtype=torch.bool, device=device)
+    mask[:, :, 0] = True
+    return mask
 
 
 class LongSpecDrafter:
@@ -102,6 +114,7 @@ class LongSpecDrafter:
     # Reads only the target's last layer (cross-attention) and token ids, so KVUpdate.REFEED, which compacts only
     # that layer after a verify, serves it as well as COMMIT.
     reads_all_target_layers = False
+    compilable = True  # propose traces as one torch.compile graph
 
     def __init__(self, draft: LongSpecDraft) -> None:
         self.draft = draft
@@ -156,13 +169,13 @@ class LongSpecDrafter:
         level, cum = state.root[:, None], torch.zeros(state.root.shape[0], 1, device=state.root.device)
         for d in range(tree.depth):  # level d's nodes propose depth d + 1; the leaves (depth `tree.depth`) never run
             logp = self._level_logp(state, tree, level, d)
-            parent, level, cum = expand_level(cum, logp, tree.shape[d])
+            parent, column, cum = expand_level(cum, logp, tree.shape[d])
+            level = self.draft.target_token_ids(column)
             parent = parent + tree.offsets[d]
-            if d + 1 < tree.depth:
-                self._extend_ancestors(tree, d + 1, parent)
+            self._extend_mask(tree, d + 1, parent)
             tokens.append(level)
             parents.append(parent)
-        return DraftTree(tokens=torch.cat(tokens, 1), parents=torch.cat(parents, 1))
+        return DraftTree(tokens=torch.cat(tokens, 1), parents=torch.cat(parents, 1), mask=self.cache.mask)
 
     # --- rounds -----------------------------------------------------------------------------------------------------
 
@@ -199,8 +212,8 @@ class LongSpecDrafter:
         W1 = cache.ring_k.shape[1]
         slot = (root_pos[:, None] - torch.arange(W1, device=root_pos.device)).remainder(W1)
         idx = slot[:, :, None, None].expand_as(cache.win_k)
-        torch.gather(cache.ring_k, 1, idx, out=cache.win_k)
-        torch.gather(cache.ring_v, 1, idx, out=cache.win_v)
+        cache.win_k.copy_(torch.gather(cache.ring_k, 1, idx))  # not gather(out=): torch.compile's fake-tensor
+        cache.win_v.copy_(torch.gather(cache.ring_v, 1, idx))  # check of out= fails on a dynamic batch
 
     def _level_logp(self, state: DecodeState, tree: TreeSpec, level: Tensor, d: int) -> Tensor:
         """Run the draft on level d's nodes (int64 ``[B, M]``, position root + d): log-probs float32 ``[B, M, V]``."""
@@ -219,7 +232,7 @@ class LongSpecDrafter:
             cache.tree_k[:, lo:hi], cache.tree_v[:, lo:hi], cache.tree_q[:, lo:hi] = k, v, q
             # tree_attn takes as many queries as keys: the earlier levels' stored queries pad the call.
             tree_out, tree_lse = torch.ops.longspec.tree_attn(
-                cache.tree_q[:, :hi], cache.tree_k[:, :hi], cache.tree_v[:, :hi], cache.anc[:, :hi, :hi], scale
+                cache.tree_q[:, :hi], cache.tree_k[:, :hi], cache.tree_v[:, :hi], self._ancestors(tree, d, hi), scale
             )
             self_out, lse = torch.ops.longspec.merge_attn_states(self_out, lse, tree_out[:, lo:hi], tree_lse[:, :, lo:hi])
         target_lens = state.seqlens.to(torch.int32)
@@ -227,27 +240,31 @@ class LongSpecDrafter:
         out = draft.finish(
             x, self_out, cos, sin, state.cache.key(L - 1), state.cache.value(L - 1), pos.to(torch.int32), target_lens
         )
-        return torch.log_softmax(draft.logits(out).float(), dim=-1)
+        return torch.log_softmax(draft.draft_logits(out).float(), dim=-1)
 
-    def _extend_ancestors(self, tree: TreeSpec, d: int, parent: Tensor) -> None:
-        """Mask rows of the depth-d nodes: their parent's row (unless the root, which lives in the ring) plus self.
+    def _extend_mask(self, tree: TreeSpec, d: int, parent: Tensor) -> None:
+        """Mask rows of the depth-d nodes: their parent's row plus themselves.
 
-        parent: int64 ``[B, M]`` node indices (depth d - 1). With W < d, ancestors more than W levels up fall out
-        of the window and are masked as well.
+        parent: int64 ``[B, M]`` node indices (depth d - 1), M = ``tree.shape[d - 1]``.
         """
-        cache = self.cache
+        mask = self.cache.mask
         B, M = parent.shape
-        lo, hi = tree.offsets[d] - 1, tree.offsets[d + 1] - 1
-        T1 = cache.anc.shape[1]
-        rows = torch.gather(cache.anc, 1, (parent - 1).clamp_min(0)[:, :, None].expand(B, M, T1))
-        rows &= (parent > 0)[:, :, None]
-        cols = torch.arange(T1, device=parent.device)
-        rows |= cols[None, None, :] == (lo + torch.arange(M, device=parent.device))[None, :, None]
+        T = mask.shape[1]
+        lo = tree.offsets[d]
+        rows = torch.gather(mask, 1, parent[:, :, None].expand(B, M, T))
+        j = torch.arange(M, device=parent.device)
+        rows[:, j, lo + j] = rows.new_ones(())  # a device scalar: a host one would be a copy inside a graph capture
+        mask[:, lo : lo + M] = rows
+
+    def _ancestors(self, tree: TreeSpec, d: int, hi: int) -> Tensor:
+        """bool ``[B, hi, hi]``: the non-root nodes' ancestor-or-self mask (rows of the first ``hi`` non-root
+        nodes), as level d's queries see it. With W < d, ancestors more than W levels up fall out of the window."""
+        anc = self.cache.mask[:, 1 : hi + 1, 1 : hi + 1]
         W = self.draft.config.window
         if d > W:
-            depths = tree.depth_tensor(parent.device)[1:]
-            rows &= (depths >= d - W)[None, None, :]
-        cache.anc[:, lo:hi] = rows
+            depths = tree.depth_tensor(anc.device)[1 : hi + 1]
+            anc = anc & (depths >= d - W)[None, None, :]
+        return anc
 
     # --- checks -----------------------------------------------------------------------------------------------------
 
@@ -269,7 +286,7 @@ class LongSpecDrafter:
                 f"the target's last-layer cache is {key.dtype} [B, N, {key.shape[2]}, {key.shape[3]}], the draft "
                 f"needs {draft.dtype} [B, N, {c.num_key_value_heads}, {c.head_dim}]"
             )
-        width, V = 1, draft.vocab_size
+        width, V = 1, draft.draft_vocab_size
         for d, k in enumerate(tree.shape, start=1):
             if k > width * V:
                 raise ValueError(f"tree level {d} asks for {k} nodes but its parents offer only {width * V} choices")

@@ -24,6 +24,7 @@ class PromptLookupDrafter:
     """
 
     reads_all_target_layers = False  # reads only token ids: works with KVUpdate.REFEED
+    compilable = True  # propose traces as one torch.compile graph
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         if isinstance(min_ngram, bool) or not isinstance(min_ngram, int) or min_ngram < 1:

@@ -87,18 +87,25 @@ def _combine(h, key):
     return _mix32(((key ^ h) + _GOLDEN) & _MASK32)  # key first: it may be the tensor when h is an int
 
 
-def gumbel_noise(seed: int, rows: Tensor, positions: Tensor, vocab_size: int) -> Tensor:
+def seed_words(seed: int, device: torch.device | str | None = None) -> Tensor:
+    """A seed in ``[0, 2**64)`` as int64 ``[2]`` (its low and high 32-bit words): the form in which
+    :func:`gumbel_noise` takes it as data, so that a compiled or captured caller need not bake the value in."""
+    return torch.tensor([seed & _MASK32, (seed >> 32) & _MASK32], dtype=torch.int64, device=device)
+
+
+def gumbel_noise(seed: int | Tensor, rows: Tensor, positions: Tensor, vocab_size: int) -> Tensor:
     """Counter-based Gumbel noise, float32 ``[B, P, V]``, keyed by (seed, rows[b], positions[b, p], token).
 
     Args:
-        seed: int in ``[0, 2**64)``.
+        seed: int in ``[0, 2**64)``, or its :func:`seed_words` (the same noise).
         rows: int64 ``[B]`` request ids (the batch row in the caller's input).
         positions: int64 ``[B, P]`` absolute positions of the tokens being sampled.
 
     The same key gives the same value on any device and in any batch composition; 24 bits per uniform, so the
     uniforms are exact in float32 and lie strictly inside (0, 1).
     """
-    h = _combine(_combine(0x243F6A88, seed & _MASK32), (seed >> 32) & _MASK32)
+    lo, hi = (seed[0], seed[1]) if isinstance(seed, Tensor) else (seed & _MASK32, (seed >> 32) & _MASK32)
+    h = _combine(_combine(0x243F6A88, lo), hi)
     h = _combine(h, rows.to(torch.int64) & _MASK32)  # [B]
     h = _combine(h[:, None], positions.to(torch.int64) & _MASK32)  # [B, P]
     tok = _mix32((torch.arange(vocab_size, device=positions.device, dtype=torch.int64) + _GOLDEN) & _MASK32)
@@ -119,6 +126,7 @@ def sample_tokens(
     generator: Optional[torch.Generator] = None,
     position_index: Optional[Tensor] = None,
     rows: Optional[Tensor] = None,
+    seed: Optional[Tensor] = None,
 ) -> Tensor:
     """Draw one token per ``[B, M]`` distribution from target logits ``[B, M, V]``; returns int64 ``[B, M]``.
 
@@ -128,6 +136,8 @@ def sample_tokens(
             (tree nodes of one depth share a position, so a round hashes only depth + 1 noise vectors per row).
         generator: the noise source when ``params.seed`` is None.
         rows: int64 ``[B]`` request ids for the seeded noise; default ``arange(B)``.
+        seed: ``params.seed`` as :func:`seed_words` (used instead of its value when ``params.seed`` is set), so
+            one compiled graph serves every seed.
 
     Greedy (``temperature < 1e-5``) is ``argmax`` of the raw logits (lowest index on ties).
     """
@@ -138,7 +148,7 @@ def sample_tokens(
         return (logp + _generator_gumbel(logp.shape, logp.device, generator)).argmax(dim=-1)
     if rows is None:
         rows = torch.arange(logits.shape[0], device=logits.device)
-    noise = gumbel_noise(params.seed, rows, positions, logits.shape[-1])
+    noise = gumbel_noise(params.seed if seed is None else seed, rows, positions, logits.shape[-1])
     if position_index is not None:
         noise = noise.index_select(1, position_index)
     return (logp + noise).argmax(dim=-1)

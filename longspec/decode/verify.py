@@ -42,15 +42,17 @@ def node_draws(
     seqlens: Tensor,
     spec: TreeSpec,
     generator: Optional[torch.Generator] = None,
+    seed: Optional[Tensor] = None,
 ) -> Tensor:
     """y ~ p at every node: int64 ``[B, T]`` from target logits ``[B, T, V]``.
 
     Node i sits at position ``seqlens[b] + depth(i)``, so its draw is the token at ``seqlens[b] + depth(i) + 1``:
-    the same position key the plain sampler uses there (seed-exact mode).
+    the same position key the plain sampler uses there (seed-exact mode). ``seed``: as in
+    :func:`~longspec.decode.sampling.sample_tokens`.
     """
     depth = spec.depth_tensor(logits.device)
     positions = seqlens.to(torch.int64)[:, None] + torch.arange(1, spec.depth + 2, device=logits.device)
-    return sample_tokens(logits, params, positions, generator, position_index=depth)
+    return sample_tokens(logits, params, positions, generator, position_index=depth, seed=seed)
 
 
 def first_siblings(tokens: Tensor, parents: Tensor) -> Tensor:

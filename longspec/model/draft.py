@@ -281,6 +281,10 @@ class LongSpecDraft(PreTrainedModel):
         self.post_cross_attention_layernorm = LongSpecRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LongSpecMLP(config)
         self._borrowed: Optional[_Borrowed] = None
+        # The reduced drafting vocabulary (see set_draft_vocab): target token ids, sorted; None = the full head.
+        # Not in the state dict (published checkpoints have none): saved as draft_vocab.json beside the weights.
+        self.register_buffer("draft_vocab", None, persistent=False)
+        self._draft_head: Optional[Tensor] = None  # lm_head rows of draft_vocab, gathered when either is set
         self.post_init()
 
     # --- the target ------------------------------------------------------------------------------------------------
@@ -294,6 +298,7 @@ class LongSpecDraft(PreTrainedModel):
         """Borrow ``target``'s embeddings, rotary embedding and LM head (no copies); checks the geometry first."""
         check_target_compatible(self.config, target)
         self._borrowed = _borrow(target)
+        self._gather_draft_head()
         return self
 
     def _require_target(self) -> _Borrowed:
@@ -394,6 +399,63 @@ class LongSpecDraft(PreTrainedModel):
         head = self._require_target().lm_head
         return head(out.to(head.weight.dtype))
 
+    # --- the reduced drafting vocabulary ---------------------------------------------------------------------------
+
+    def set_draft_vocab(self, token_ids: Optional[Tensor]) -> "LongSpecDraft":
+        """Draft from ``token_ids`` only (target ids, e.g. :func:`frequent_tokens` of the training data), or from
+        the whole vocabulary again with None.
+
+        Drafting then scores ``len(token_ids)`` rows of the target's LM head instead of all of them: at Llama-3's
+        128,256-token vocabulary the full head is a 1 GB read per draft level. Verification is unchanged, so the
+        output stays exactly the target's; tokens outside the set are never proposed, which costs acceptance only
+        where the target wants them. Training always uses the full head.
+        """
+        if token_ids is None:
+            self.draft_vocab, self._draft_head = None, None
+            return self
+        V = self.vocab_size
+        ids = torch.as_tensor(token_ids)
+        if ids.dim() != 1 or ids.numel() == 0 or ids.dtype not in (torch.int32, torch.int64) or ids.is_floating_point():
+            raise ValueError(f"token_ids must be a non-empty 1-D integer tensor, got {ids.dtype} {tuple(ids.shape)}")
+        ids = torch.unique(ids.to(torch.int64).cpu())  # sorted
+        if int(ids[0]) < 0 or int(ids[-1]) >= V:
+            raise ValueError(f"token_ids must lie in [0, {V}) (the target's vocabulary), got [{int(ids[0])}, "
+                             f"{int(ids[-1])}]")
+        self.draft_vocab = ids.to(self._require_target().lm_head.weight.device)
+        self._gather_draft_head()
+        return self
+
+    def _gather_draft_head(self) -> None:
+        """The LM head rows of ``draft_vocab``, gathered once (here, not lazily inside a compiled or captured
+        ``propose``, where building it would change what the next call sees)."""
+        if self.draft_vocab is None:
+            self._draft_head = None
+            return
+        head = self._require_target().lm_head.weight
+        self._draft_head = head.detach().index_select(0, self.draft_vocab.to(head.device))
+
+    @property
+    def draft_vocab_size(self) -> int:
+        """Tokens the draft proposes from: ``len(draft_vocab)``, or the whole vocabulary."""
+        return self.vocab_size if self.draft_vocab is None else self.draft_vocab.numel()
+
+    def draft_logits(self, out: Tensor) -> Tensor:
+        """out ``[B, S, H]`` -> logits ``[B, S, draft_vocab_size]`` over the drafting vocabulary (column j is
+        target token ``draft_vocab[j]``; the full head's logits when none is set)."""
+        if self.draft_vocab is None:
+            return self.logits(out)
+        return torch.nn.functional.linear(out.to(self._draft_head.dtype), self._draft_head)
+
+    def target_token_ids(self, draft_ids: Tensor) -> Tensor:
+        """Columns of :meth:`draft_logits` (int64, any shape) -> the target's token ids."""
+        return draft_ids if self.draft_vocab is None else self.draft_vocab[draft_ids]
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' ``save_pretrained``, plus ``draft_vocab.json`` when a drafting vocabulary is set."""
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if self.draft_vocab is not None:
+            save_draft_vocab(save_directory, self.draft_vocab)
+
     def forward(
         self,
         input_ids: Tensor,
@@ -480,10 +542,61 @@ class LongSpecDraft(PreTrainedModel):
         dtype, device = dtype or ref.dtype, device or ref.device
         state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
         draft.load_state_dict(state, strict=True, assign=True)
-        return draft.eval().bind_target(target)
+        draft = draft.eval().bind_target(target)
+        vocab_file = (path if path.is_dir() else path.parent) / DRAFT_VOCAB_FILE
+        if vocab_file.is_file():
+            draft.set_draft_vocab(load_draft_vocab(vocab_file))
+        return draft
 
     # save_pretrained is transformers': config.json (LongSpecDraftConfig) + model.safetensors with the 20 names, no
     # prefix (the borrowed target is not a submodule, so it is not saved); from_pretrained reads it back.
+
+
+# --- the drafting vocabulary on disk ----------------------------------------------------------------------------------
+
+DRAFT_VOCAB_FILE = "draft_vocab.json"
+
+
+def frequent_tokens(counts: Tensor, size: int) -> Tensor:
+    """The ``size`` most frequent token ids (int64, sorted) from per-token counts ``[V]`` (ties: lower id first)."""
+    if counts.dim() != 1:
+        raise ValueError(f"counts must be 1-D [V], got shape {tuple(counts.shape)}")
+    if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= counts.numel():
+        raise ValueError(f"size must be an int in [1, {counts.numel()}], got {size!r}")
+    # a stable descending sort keeps the lower id first among equal counts
+    order = torch.sort(counts.to(torch.float64).cpu(), descending=True, stable=True).indices
+    return torch.sort(order[:size]).values
+
+
+def count_tokens(batches, vocab_size: int) -> Tensor:
+    """int64 ``[vocab_size]`` occurrences of every token id in an iterable of integer tensors (a calibration pass
+    over tokenised text, for drafts that ship no drafting vocabulary)."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for ids in batches:
+        ids = torch.as_tensor(ids).flatten().to(torch.int64).cpu()
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+            raise ValueError(f"token ids must lie in [0, {vocab_size}), got [{int(ids.min())}, {int(ids.max())}]")
+        counts += torch.bincount(ids, minlength=vocab_size)
+    return counts
+
+
+def save_draft_vocab(directory: str | os.PathLike, token_ids: Tensor) -> None:
+    """Write ``draft_vocab.json`` (the sorted target token ids) into a checkpoint directory."""
+    ids = sorted(int(i) for i in torch.as_tensor(token_ids).flatten().tolist())
+    (Path(directory) / DRAFT_VOCAB_FILE).write_text(json.dumps({"token_ids": ids}))
+
+
+def load_draft_vocab(path: str | os.PathLike) -> Tensor:
+    """Read a ``draft_vocab.json``: int64 token ids."""
+    try:
+        data = json.loads(Path(path).read_text())
+        ids = data["token_ids"]
+        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+            raise TypeError
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{path} is not a drafting vocabulary (a JSON object with a 'token_ids' list of ints): "
+                         f"{err}") from None
+    return torch.tensor(ids, dtype=torch.int64)
 
 
 # --- loading helpers --------------------------------------------------------------------------------------------------
@@ -601,4 +714,13 @@ def check_target_compatible(config: LongSpecDraftConfig, target: nn.Module) -> N
             )
 
 
-__all__ = ["LongSpecDraft", "LongSpecDraftConfig", "PUBLISHED_TENSOR_NAMES", "check_target_compatible"]
+__all__ = [
+    "LongSpecDraft",
+    "LongSpecDraftConfig",
+    "PUBLISHED_TENSOR_NAMES",
+    "check_target_compatible",
+    "count_tokens",
+    "frequent_tokens",
+    "load_draft_vocab",
+    "save_draft_vocab",
+]

@@ -38,6 +38,9 @@ ATTN_IMPLEMENTATION = "longspec"
 # whose logits are ``lm_head(final hidden)``. Others may work but are refused rather than risk silent errors.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
+# Attribute under which each attention module holds its layer's cache view during a forward (see _bind).
+_BOUND_KV = "longspec_kv"
+
 # RoPE variants whose frequencies depend on the largest position in the current forward: a tree forward reaches
 # further than a one-token step, so the logits would differ from plain decoding.
 _POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
@@ -114,9 +117,23 @@ class StaticKVCache:
 
     def write(self, layer: int, rows: Tensor, k: Tensor, v: Tensor) -> None:
         """Scatter new K/V ``[B, S, Hkv, D]`` of layer ``layer`` to cache rows ``rows`` (int64 ``[B, S]``)."""
-        b = torch.arange(rows.shape[0], device=rows.device)[:, None].expand_as(rows)
-        self.kv[layer, 0, b, rows] = k
-        self.kv[layer, 1, b, rows] = v
+        _write_rows(self.kv[layer], _batch_index(rows), rows, k, v)
+
+
+def _batch_index(rows: Tensor) -> Tensor:
+    """int64 ``[B, S]``: the batch row of every entry of ``rows``, for advanced-index scatters."""
+    return torch.arange(rows.shape[0], device=rows.device)[:, None].expand_as(rows)
+
+
+def _write_rows(layer_kv: Tensor, batch: Tensor, rows: Tensor, k: Tensor, v: Tensor) -> None:
+    """K/V ``[B, S, Hkv, D]`` into rows ``rows`` of one layer's ``[2, B, N, Hkv, D]`` cache.
+
+    One ``index_put_`` on the layer's tensor itself (K and V stacked), not one per K/V view: torch.compile then
+    writes in place, where a write through a ``select`` view of a graph input is functionalised into a copy of the
+    whole layer cache.
+    """
+    plane = torch.arange(2, device=rows.device)[:, None, None]
+    layer_kv.index_put_((plane, batch[None], rows[None]), torch.stack([k, v]))
 
 
 def num_kv_heads(config: "PretrainedConfig") -> int:
@@ -134,28 +151,33 @@ class AttentionStep:
     phase:     :class:`Phase`.
     cache:     the :class:`StaticKVCache` the new K/V go to (and the committed rows come from).
     rows:      int64 ``[B, S]`` cache rows receiving the new tokens' K/V (``seqlens[:, None] + arange(S)``).
+    batch:     int64 ``[B, S]`` the batch row of each entry of ``rows`` (the scatter's other index).
     kv_lens:   int32 ``[B, S]`` (EXTEND) rows ``[0, kv_lens[b, i])`` visible to query i.
     tree_mask: bool ``[B, S, S]`` (TREE) tree query i sees tree key j.
     seqlens:   int32 ``[B]`` (TREE) committed rows every query sees, usually ``cache.seqlens``.
+    checked:   whether a layer of this forward already ran the attention op with its argument checks; the other
+               layers then call its unchecked twin (every layer passes the same shapes, dtypes and devices).
     """
 
     phase: Phase
     cache: StaticKVCache
     rows: Tensor
+    batch: Tensor
     kv_lens: Optional[Tensor] = None
     tree_mask: Optional[Tensor] = None
     seqlens: Optional[Tensor] = None
+    checked: bool = False
 
     @classmethod
     def extend(cls, cache: StaticKVCache, num_new: int) -> "AttentionStep":
         rows = cache.seqlens.to(torch.int64)[:, None] + torch.arange(num_new, device=cache.seqlens.device)
-        return cls(Phase.EXTEND, cache, rows, kv_lens=(rows + 1).to(torch.int32))
+        return cls(Phase.EXTEND, cache, rows, _batch_index(rows), kv_lens=(rows + 1).to(torch.int32))
 
     @classmethod
     def tree(cls, cache: StaticKVCache, tree_mask: Tensor, seqlens: Optional[Tensor] = None) -> "AttentionStep":
         seqlens = cache.seqlens if seqlens is None else seqlens
         rows = seqlens.to(torch.int64)[:, None] + torch.arange(tree_mask.shape[1], device=tree_mask.device)
-        return cls(Phase.TREE, cache, rows, tree_mask=tree_mask, seqlens=seqlens)
+        return cls(Phase.TREE, cache, rows, _batch_index(rows), tree_mask=tree_mask, seqlens=seqlens)
 
 
 def longspec_attention(
@@ -174,25 +196,33 @@ def longspec_attention(
     Returns ``(out [B, S, Hq, D], None)``. ``attention_mask`` is ignored (none is built for this implementation);
     the step carries all visibility. Sliding windows are not applied: generate refuses sequences longer than the
     window (see :func:`check_generation_length`), where a window changes nothing.
+
+    The layer's cache is the ``[2, B, N, Hkv, D]`` view that :func:`_run` binds to ``module`` as
+    ``longspec_kv`` before each forward, not ``cache.kv[module.layer_idx]``: an integer read off the module would
+    specialise a ``torch.compile``d layer to its index, and one compiled layer could not serve them all.
     """
     step = longspec_step
-    if step is None:
+    layer_kv = getattr(module, _BOUND_KV, None)
+    if step is None or layer_kv is None:
         raise RuntimeError(
             "the 'longspec' attention implementation needs a longspec_step; run the model through "
             "longspec.SpeculativeDecoder (or longspec.model.target.forward_extend / forward_tree)"
         )
-    layer = module.layer_idx
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # flash layout views, no copies
-    cache = step.cache
-    cache.write(layer, step.rows, k, v)
-    # The raw ops: no host syncs in the decode loop (lengths come from the engine, see longspec_ops.ops).
+    _write_rows(layer_kv, step.batch, step.rows, k, v)
+    # The raw ops: no host syncs in the decode loop (lengths come from the engine, see longspec_ops.ops). The first
+    # layer's call checks the arguments; every later layer repeats their metadata, so it skips the checks. Traced
+    # by torch.compile, the checked op's fake checks at trace time and costs nothing at run time.
+    checked = step.checked and not torch.compiler.is_compiling()
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if step.phase is Phase.EXTEND:
-        out, _ = torch.ops.longspec.prefix_attn(q, cache.key(layer), cache.value(layer), step.kv_lens, scale)
+        op = torch.ops.longspec._prefix_attn_kernel if checked else torch.ops.longspec.prefix_attn
+        out, _ = op(q, layer_kv[0], layer_kv[1], step.kv_lens, scale)
     else:
-        out, _ = torch.ops.longspec.hybrid_tree_attn(
-            q, cache.key(layer), cache.value(layer), step.seqlens, k, v, step.tree_mask, scale
-        )
+        op = torch.ops.longspec._hybrid_tree_attn_kernel if checked else torch.ops.longspec.hybrid_tree_attn
+        out, _ = op(q, layer_kv[0], layer_kv[1], step.seqlens, k, v, step.tree_mask, scale)
+    if not torch.compiler.is_compiling():
+        step.checked = True
     return out, None
 
 
@@ -211,6 +241,11 @@ def check_supported(model: "PreTrainedModel") -> None:
         )
     if not model._can_set_attn_implementation() or model.get_output_embeddings() is None:
         raise ValueError(f"longspec: {name} does not route attention through transformers' AttentionInterface")
+    layers = getattr(model.base_model, "layers", None)
+    if layers is None or any(getattr(getattr(layer, "self_attn", None), "layer_idx", None) != i
+                             for i, layer in enumerate(layers)):
+        raise ValueError(f"longspec: {name} does not hold its decoder layers as base_model.layers[i].self_attn "
+                         "with layer_idx == i")
     rope = getattr(config, "rope_parameters", None) or {}
     rope_type = str(rope.get("rope_type", "default")) if isinstance(rope, dict) else "default"
     if any(kind in rope_type for kind in _POSITION_DEPENDENT_ROPE):
@@ -253,18 +288,39 @@ def check_generation_length(model: "PreTrainedModel", total_len: int) -> None:
 
 @contextlib.contextmanager
 def use_longspec_attention(model: "PreTrainedModel") -> Iterator[None]:
-    """Route ``model``'s attention through :func:`longspec_attention` inside the block, then restore it."""
+    """Route ``model``'s attention through :func:`longspec_attention` inside the block, then restore it (and drop
+    the cache views the forwards bound to its attention modules)."""
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     try:
         yield
     finally:
         model.set_attn_implementation(previous)
+        _unbind(model)
+
+
+def attention_modules(model: "PreTrainedModel") -> list[torch.nn.Module]:
+    """The self-attention module of every decoder layer, in layer order (``module.layer_idx == i``)."""
+    return [layer.self_attn for layer in model.base_model.layers]
+
+
+def _bind(model: "PreTrainedModel", cache: StaticKVCache) -> None:
+    """Give every attention module its layer's ``[2, B, N, Hkv, D]`` view of ``cache`` (see longspec_attention)."""
+    for i, attn in enumerate(attention_modules(model)):
+        view = cache.kv[i]
+        torch._dynamo.maybe_mark_dynamic(view, 2)  # the cache length: one compile serves every cache size
+        setattr(attn, _BOUND_KV, view)
+
+
+def _unbind(model: "PreTrainedModel") -> None:
+    for attn in attention_modules(model):
+        attn.__dict__.pop(_BOUND_KV, None)
 
 
 def _run(model: "PreTrainedModel", input_ids: Tensor, position_ids: Tensor, step: AttentionStep) -> Tensor:
     if model.config._attn_implementation != ATTN_IMPLEMENTATION:
         raise RuntimeError("run the target inside longspec.model.target.use_longspec_attention(model)")
+    _bind(model, step.cache)
     out = model.base_model(
         input_ids=input_ids, position_ids=position_ids, use_cache=False, longspec_step=step
     )
@@ -296,6 +352,45 @@ def forward_tree(
     """
     step = AttentionStep.tree(cache, tree_mask, seqlens)
     return _run(model, input_ids, position_ids, step)
+
+
+class CompiledTarget:
+    """``torch.compile`` of a target's repeated modules, switched on for the forwards inside :meth:`active`.
+
+    Regional compilation: each decoder layer, the final norm and the rotary embedding are compiled on their own
+    (``fullgraph``), so Inductor fuses each layer's elementwise work (norms with their residual adds, RoPE with
+    the cache write, SiLU * up) into a few kernels around the matmuls and the longspec attention ops, which stay
+    opaque custom ops. Every layer runs the same compiled code: its cache view is a tensor attribute (see
+    :func:`longspec_attention`), so one compile per input shape serves all layers, and the first forward of a shape
+    costs a few seconds instead of a whole-model compile. Shapes that change between calls (the verify width, the
+    cache length) are recompiled once as dynamic (torch.compile's automatic dynamic shapes).
+
+    The modules are compiled only inside ``active()`` (``nn.Module.compile`` sets the module's compiled call,
+    which is unset again on exit), so the model behaves as before everywhere else; the compiled code stays cached
+    by torch.compile for the next entry. The float32 CPU tests check that the outputs of decoding do not change.
+    """
+
+    # One code object serves every decoder layer of every model in the process (transformers' layer __call__), and
+    # each (model, shape, dtype) is one of its cache entries: torch.compile's default limit of 8 is too few.
+    RECOMPILE_LIMIT = 64
+
+    def __init__(self, model: "PreTrainedModel") -> None:
+        base = model.base_model
+        self.modules = [*base.layers, base.norm, base.rotary_emb]
+        # What nn.Module.compile() installs, made once: a torch.compile wrapper made anew on every entry would not
+        # find the code the previous one compiled.
+        self._calls = [torch.compile(m._call_impl, fullgraph=True) for m in self.modules]
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        with torch._dynamo.config.patch(recompile_limit=self.RECOMPILE_LIMIT):
+            for m, call in zip(self.modules, self._calls):
+                m._compiled_call_impl = call  # as nn.Module.compile() does
+            try:
+                yield
+            finally:
+                for m in self.modules:
+                    m._compiled_call_impl = None  # what nn.Module.__init__ sets: plain eager calls again
 
 
 def lm_logits(model: "PreTrainedModel", hidden: Tensor) -> Tensor:

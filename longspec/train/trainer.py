@@ -54,6 +54,7 @@ class TrainConfig:
     delta_max: int = 5
     kl_weight: float = 0.0
     loss_chunk: int = 1024
+    draft_vocab_size: int = 0  # > 0: checkpoints carry the N most frequent training tokens (draft_vocab.json)
     bf16: bool = True  # autocast on CUDA
     parallel: Parallel = Parallel.NONE
     seed: int = 0
@@ -74,6 +75,9 @@ class TrainConfig:
         if self.data.seq_len <= self.delta_max:
             raise ValueError(f"data.seq_len ({self.data.seq_len}) must exceed delta_max ({self.delta_max})")
         vocab = target.get_output_embeddings().weight.shape[0]
+        if not 0 <= self.draft_vocab_size <= vocab:
+            raise ValueError(f"draft_vocab_size must be in [0, {vocab}] (0: the full vocabulary), got "
+                             f"{self.draft_vocab_size}")
         if len(tokenizer) > vocab:
             raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the target's LM head has {vocab} rows")
 
@@ -146,14 +150,43 @@ def _load_state(model, optimizer, model_sd, optim_sd):
     set_optimizer_state_dict(model, optimizer, optim_sd, options=opts)
 
 
-def save_checkpoint(path: Path, draft, model, optimizer, scheduler, rng: torch.Generator, step: int, d: _Dist) -> None:
-    """``path`` gets the draft (safetensors + config, loadable by LongSpecDraft.from_pretrained) and trainer_state.pt."""
+class TokenCounts:
+    """Occurrences of every token id in the training data, for the draft's reduced vocabulary
+    (``draft_vocab.json``, :func:`longspec.model.draft.frequent_tokens`). Each rank counts what it trains on; a
+    checkpoint sums them onto rank 0, which keeps the total (so resuming continues the count exactly)."""
+
+    def __init__(self, vocab_size: int, size: int, d: _Dist) -> None:
+        self.size, self.d = size, d
+        self.counts = torch.zeros(vocab_size, dtype=torch.int64, device=d.device)
+
+    def add(self, ids: torch.Tensor) -> None:
+        if self.size:
+            self.counts += torch.bincount(ids.flatten(), minlength=self.counts.numel())
+
+    def total(self) -> torch.Tensor:
+        """The sum over ranks (a collective: every rank calls it); rank 0 keeps it, the others restart at 0."""
+        if self.d.world > 1:
+            dist.all_reduce(self.counts)
+            if not self.d.main:
+                self.counts.zero_()
+        return self.counts.cpu()
+
+
+def save_checkpoint(path: Path, draft, model, optimizer, scheduler, rng: torch.Generator, step: int, d: _Dist,
+                    counts: TokenCounts | None = None) -> None:
+    """``path`` gets the draft (safetensors + config, loadable by LongSpecDraft.from_pretrained) and trainer_state.pt
+    (plus ``draft_vocab.json`` when ``counts`` asks for a reduced drafting vocabulary)."""
+    from longspec.model.draft import frequent_tokens, save_draft_vocab
+
     model_sd, optim_sd = _full_state(model, optimizer, d)  # collective under FSDP: every rank calls it
+    total = counts.total() if counts is not None and counts.size else None  # collective too
     if d.main:
         path.mkdir(parents=True, exist_ok=True)
         draft.save_pretrained(path, state_dict=model_sd)
+        if total is not None:
+            save_draft_vocab(path, frequent_tokens(total, counts.size))
         torch.save({"optimizer": optim_sd, "scheduler": scheduler.state_dict(), "rng": rng.get_state(),
-                    "step": step, "world": d.world}, path / "trainer_state.pt")
+                    "step": step, "world": d.world, "token_counts": total}, path / "trainer_state.pt")
         (path.parent / "latest").write_text(path.name)
     if d.world > 1:
         dist.barrier()
@@ -164,7 +197,8 @@ def _latest(out_dir: Path) -> Path | None:
     return out_dir / pointer.read_text().strip() if pointer.exists() else None
 
 
-def _resume(out_dir: Path, draft_cls, target, model, optimizer, scheduler, rng, d: _Dist) -> int:
+def _resume(out_dir: Path, draft_cls, target, model, optimizer, scheduler, rng, d: _Dist,
+            counts: TokenCounts) -> int:
     ckpt = _latest(out_dir)
     if ckpt is None:
         return 0
@@ -175,6 +209,8 @@ def _resume(out_dir: Path, draft_cls, target, model, optimizer, scheduler, rng, 
     _load_state(model, optimizer, saved.state_dict(), state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     rng.set_state(state["rng"])
+    if d.main and state.get("token_counts") is not None and counts.size:
+        counts.counts.copy_(state["token_counts"])
     return int(state["step"])
 
 
@@ -206,9 +242,11 @@ class _Logger:
             self.tb.close()
 
 
-def _micro_batch(model, target, data, rng, cfg: TrainConfig, max_pos: int, d: _Dist, autocast, last: bool):
+def _micro_batch(model, target, data, rng, cfg: TrainConfig, max_pos: int, d: _Dist, autocast, last: bool,
+                 counts: TokenCounts):
     """Forward + backward of one micro-batch; returns its mean loss (a float) and token count."""
     ids = next(data).to(d.device)
+    counts.add(ids)
     pos = anchor_offset_positions(ids.shape[1], max_pos, rng, cfg.max_sink, cfg.anchor_offset)
     delta = int(torch.randint(1, cfg.delta_max + 1, (1,), generator=rng)) if cfg.flash_noisy else 1
     no_sync = getattr(model, "no_sync", None)
@@ -270,7 +308,8 @@ def train(cfg: TrainConfig, target, tokenizer, draft=None) -> list[dict]:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, warmup_cosine(int(cfg.warmup_ratio * cfg.steps), cfg.steps, cfg.min_lr_ratio))
     rng = torch.Generator().manual_seed(cfg.seed + d.rank)
-    step = _resume(out, LongSpecDraft, target, model, optimizer, scheduler, rng, d)
+    counts = TokenCounts(target.get_output_embeddings().weight.shape[0], cfg.draft_vocab_size, d)
+    step = _resume(out, LongSpecDraft, target, model, optimizer, scheduler, rng, d, counts)
     data = Prefetch(batches(PackedStream(cfg.data, tokenizer, rank=d.rank, world_size=d.world), cfg.batch_size,
                             start_batch=step * cfg.grad_accum))
     max_pos = cfg.max_positions or target.config.max_position_embeddings
@@ -282,8 +321,8 @@ def train(cfg: TrainConfig, target, tokenizer, draft=None) -> list[dict]:
     try:
         while step < cfg.steps:
             t0 = time.perf_counter()
-            losses = [_micro_batch(model, target, data, rng, cfg, max_pos, d, autocast, i == cfg.grad_accum - 1)
-                      for i in range(cfg.grad_accum)]
+            losses = [_micro_batch(model, target, data, rng, cfg, max_pos, d, autocast, i == cfg.grad_accum - 1,
+                                   counts) for i in range(cfg.grad_accum)]
             grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, cfg.clip))
             optimizer.step()
             scheduler.step()
@@ -301,7 +340,7 @@ def train(cfg: TrainConfig, target, tokenizer, draft=None) -> list[dict]:
             if step % cfg.log_every == 0 or step == cfg.steps:
                 logger.log(row)
             if step % cfg.save_every == 0 or step == cfg.steps:
-                save_checkpoint(out / f"checkpoint-{step}", draft, model, optimizer, scheduler, rng, step, d)
+                save_checkpoint(out / f"checkpoint-{step}", draft, model, optimizer, scheduler, rng, step, d, counts)
     finally:
         data.close()  # no prefetch thread outlives the run
     bar.close()

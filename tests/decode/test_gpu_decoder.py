@@ -74,3 +74,39 @@ def test_fp32_seed_exact_sampling(temperature, top_k, top_p):
     spec = SpeculativeDecoder(target, PromptLookupDrafter(), tree_shape=(3, 3, 3), cuda_graphs=True).generate(
         ids, 48, **kw).sequences
     assert_same_tokens(spec, plain)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_rounds_equal_uncompiled(dtype):
+    """compile=True under CUDA graphs (compiled layers, propose and tail, all captured): float32 gives the
+    uncompiled engine's tokens exactly; bf16 may part only at near-ties."""
+    target = _cuda_target("llama-gqa-d64", dtype)
+    ref32 = _cuda_target("llama-gqa-d64", torch.float32)
+    ids, mask = ragged_batch([130, 63, 97], seed=3, period=17)
+    ids, mask = ids.cuda(), mask.cuda()
+    plain = SpeculativeDecoder(target, None, cuda_graphs=True).generate(ids, 40, attention_mask=mask).sequences
+    runs = {"plain": (None, (1,))} | _drafters(target)
+    for name, (drafter, shape) in runs.items():
+        dec = SpeculativeDecoder(target, drafter, tree_shape=shape, cuda_graphs=True, compile=True)
+        for _ in range(2):  # the second call replays what the first compiled and captured
+            out = dec.generate(ids, 40, attention_mask=mask)
+            if dtype == torch.float32:
+                assert_same_tokens(out.sequences, plain)
+            else:
+                _assert_ties_only(out.sequences, plain, mask, ref32)
+
+
+def test_graphed_tail_with_a_generator_and_a_reduced_draft_vocab():
+    """Unseeded sampling under CUDA graphs draws from the given torch.Generator (registered with the tail's graph):
+    two runs from equal generator states give equal tokens; a reduced drafting vocabulary runs captured too."""
+    target = _cuda_target("llama-gqa-d64", torch.float32)
+    draft = LongSpecDraft.from_target(target).set_draft_vocab(torch.arange(0, 192, 2))
+    ids, mask = ragged_batch([90, 41], seed=5, period=13)
+    ids, mask = ids.cuda(), mask.cuda()
+    outs = []
+    for _ in range(2):
+        gen = torch.Generator(device="cuda").manual_seed(11)
+        dec = SpeculativeDecoder(target, LongSpecDrafter(draft), tree_shape=(4, 4, 4), cuda_graphs=True, compile=True)
+        outs.append(dec.generate(ids, 32, temperature=1.0, attention_mask=mask, generator=gen).sequences)
+    assert_same_tokens(outs[0], outs[1])
+    assert (outs[0] >= 0).all() and (outs[0] < 192).all()

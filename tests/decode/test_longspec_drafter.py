@@ -10,6 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from longspec.decode.drafter import DecodeState, Drafter, TreeSpec
 from longspec.decode.longspec_drafter import LongSpecDrafter
+from longspec.decode.tree import tree_mask_from_parents
 from longspec.model.draft import LongSpecDraft
 from longspec.model.target import StaticKVCache
 
@@ -76,6 +77,8 @@ def check_contract(tree, spec: TreeSpec, root) -> None:
     for b in range(B):
         pairs = set(zip(tree.parents[b, 1:].tolist(), tree.tokens[b, 1:].tolist()))
         assert len(pairs) == T - 1
+    if tree.mask is not None:  # a drafter's own mask is the engine's verify mask: exactly the parents' ancestry
+        assert torch.equal(tree.mask, tree_mask_from_parents(tree.parents, spec))
 
 
 # --- incremental drafting == dense recomputation ---------------------------------------------------------------------
@@ -106,6 +109,7 @@ def test_tree_drafting_matches_dense_recomputation(kind, heads, rope, window, sh
     for _ in range(rounds):
         levels.clear()
         tree = drafter.propose(state, spec)
+        assert tree.mask is not None  # the drafter carries its mask to the engine (built once per round)
         check_contract(tree, spec, state.root)
         got = torch.cat(levels, dim=1).double()  # [B, non-leaf nodes, V]
         for b in range(len(lens)):
@@ -228,9 +232,9 @@ def test_draft_memory_is_independent_of_context():
     small, large = _draft_footprint(1024), _draft_footprint(65536)
     assert small == large
     c = LongSpecDraft.from_target(tiny_target("llama", (4, 2), hidden=32, vocab=64, layers=1)).config
-    # ring + window (W + 1 rows each, K and V), node K/V and queries, ancestor mask, ring_end
+    # ring + window (W + 1 rows each, K and V), node K/V and queries, the tree's mask (root included), ring_end
     T1, W1, f32 = 20, c.window + 1, 4
-    expected = 4 * 2 * W1 * 2 * 8 * f32 + 2 * 2 * T1 * 2 * 8 * f32 + 2 * T1 * 4 * 8 * f32 + 2 * T1 * T1 + 2 * 8
+    expected = 4 * 2 * W1 * 2 * 8 * f32 + 2 * 2 * T1 * 2 * 8 * f32 + 2 * T1 * 4 * 8 * f32 + 2 * (T1 + 1) ** 2 + 2 * 8
     assert small["cache"] == expected
 
 

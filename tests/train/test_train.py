@@ -11,7 +11,8 @@ import torch
 import torch.multiprocessing as mp
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from longspec.model.draft import LongSpecDraft, shifted_cross_attention, windowed_self_attention
+from longspec.model.draft import (LongSpecDraft, frequent_tokens, load_draft_vocab, shifted_cross_attention,
+                                  windowed_self_attention)
 from longspec.train.data import DataConfig, PackedStream
 from longspec.train.loss import chunked_lm_loss
 from longspec.train.positions import anchor_offset_positions
@@ -196,6 +197,29 @@ def test_resume_reproduces_the_next_steps(tmp_path):
     assert [r["step"] for r in resumed] == [4, 5, 6]
     for a, b in zip(full[3:], resumed):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=1e-7)
+
+
+def test_checkpoints_carry_the_most_frequent_training_tokens(tmp_path):
+    """--draft-vocab-size N: every checkpoint holds the N most frequent tokens of the sequences trained on so far
+    (draft_vocab.json, loaded by from_pretrained); a resumed run keeps counting from the checkpoint."""
+    cfg = config(tmp_path / "a", steps=6, save_every=3, draft_vocab_size=10)
+    target = tiny_target()
+    train(cfg, target, CharTokenizer())
+    stream = PackedStream(cfg.data, CharTokenizer()).iter_from(0)
+    seen = torch.cat([next(stream) for _ in range(6 * cfg.batch_size)])
+    counts = torch.bincount(seen, minlength=VOCAB)
+    want = frequent_tokens(counts, 10)
+    ckpt = tmp_path / "a" / "out" / "checkpoint-6"
+    assert torch.equal(load_draft_vocab(ckpt / "draft_vocab.json"), want)
+    assert torch.equal(torch.load(ckpt / "trainer_state.pt")["token_counts"], counts)
+    assert torch.equal(LongSpecDraft.from_pretrained(ckpt, target=target).draft_vocab, want)
+    out = tmp_path / "b" / "out"
+    out.mkdir(parents=True)
+    shutil.copytree(tmp_path / "a" / "out" / "checkpoint-3", out / "checkpoint-3")
+    (out / "latest").write_text("checkpoint-3")
+    train(config(tmp_path / "b", steps=6, save_every=3, draft_vocab_size=10), tiny_target(), CharTokenizer())
+    assert torch.equal(torch.load(out / "checkpoint-6" / "trainer_state.pt")["token_counts"], counts)
+    assert torch.equal(load_draft_vocab(out / "checkpoint-6" / "draft_vocab.json"), want)
 
 
 def test_kl_distillation_term_runs(tmp_path):

@@ -1,0 +1,88 @@
+"""CUDA-graph capture for the decoding loop: one warm-up-and-capture helper and a static-input wrapper around it.
+
+A round of speculative decoding is hundreds of small kernels; launched from Python each costs tens of microseconds
+of host time, replayed from a graph about one. Everything the decoder replays (the target's decode and verify
+forwards, a drafter's ``propose``, the accept-and-commit tail) is captured with :func:`capture`. Benchmarks use it
+too, so what they time is what the decoder runs.
+"""
+from __future__ import annotations
+
+from typing import Callable, Generic, Optional, Sequence, TypeVar
+
+import torch
+from torch import Tensor
+
+T = TypeVar("T")
+
+
+def capture(
+    fn: Callable[[], T],
+    warmup: int = 2,
+    reset: Optional[Callable[[], None]] = None,
+    generators: Sequence[torch.Generator] = (),
+) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Capture one call of ``fn`` as a CUDA graph; returns ``(graph, fn's output)``.
+
+    ``fn`` runs ``warmup`` times first on a side stream, so that Triton compiles and autotunes, torch.compile
+    traces, and the caching allocator grows outside the capture (none of them can happen inside one). The warm-up
+    calls execute for real: ``reset`` (if given) runs before each of them and before the capture, to undo what a
+    call mutates. The output's tensors are the graph's static outputs: every ``replay()`` rewrites them in place.
+    ``generators`` are the torch.Generators ``fn`` draws from (the default CUDA generator needs no mention); each
+    replay then advances them like an eager call would.
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            if reset is not None:
+                reset()
+            fn()
+        if reset is not None:
+            reset()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    for gen in generators:
+        graph.register_generator_state(gen)
+    # A torch.compile'd fn compiled during the warm-up; compiling again inside the capture cannot work (Inductor
+    # reads values back from the device), so a recompile there is an error with its reason, not a broken capture.
+    with torch.compiler.set_stance("fail_on_recompile"), torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+class CapturedCall(Generic[T]):
+    """``fn(*inputs)`` replayed from one CUDA graph per input signature (shapes and dtypes).
+
+    Each call copies the inputs into the graph's static input tensors, replays, and returns the static output
+    (overwritten by the next call). ``fn`` must read everything else from tensors that outlive the graph (a KV
+    cache, a decoding state) and may mutate them only where its warm-up calls (see :func:`capture`) do no harm.
+    """
+
+    def __init__(self, fn: Callable[..., T], generators: Sequence[torch.Generator] = ()) -> None:
+        self.fn = fn
+        self.generators = tuple(generators)
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[Tensor], T]] = {}
+
+    def capture(self, *inputs: Tensor) -> None:
+        """Capture the graph for these inputs' signature now (a no-op when it exists); ``inputs`` seed the static
+        inputs of the warm-up runs."""
+        key = _signature(inputs)
+        if key not in self._graphs:
+            static = [t.clone() for t in inputs]
+            graph, out = capture(lambda: self.fn(*static), generators=self.generators)
+            self._graphs[key] = (graph, static, out)
+
+    def __call__(self, *inputs: Tensor) -> T:
+        self.capture(*inputs)
+        graph, static, out = self._graphs[_signature(inputs)]
+        for dst, src in zip(static, inputs):
+            dst.copy_(src)
+        graph.replay()
+        return out
+
+
+def _signature(inputs: Sequence[Tensor]) -> tuple:
+    return tuple((tuple(t.shape), t.dtype) for t in inputs)
+
+
+__all__ = ["CapturedCall", "capture"]
