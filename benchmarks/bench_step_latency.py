@@ -1,17 +1,29 @@
-"""Real-size step latency (issue 7): random-initialised targets built from published configurations, one H200.
+"""Round cost at real model sizes (issue 17): every step of a round against its floors, measured in one run.
 
-For each model and context N it times, under CUDA graphs (median of ``--iters`` replays, CUDA events): the plain
-decode step (one token, ``prefix_attn``), the verify step (the 69-node 4-16-16-16-16 tree, ``hybrid_tree_attn``),
-the LongSpec draft step (``propose`` for the whole tree: 5 levels of the one-layer draft) and the accept step
-(per-node draws, tree acceptance and ``commit_kv_`` for every layer, eager as in the engine). It then projects the
-speedup of LongSpec over plain decoding at the given tau (tokens per target forward, e.g. the trained pair's
-measured tau from ``bench_e2e``): ``tau * decode / (draft + verify + accept)``. No prefill runs: the cache rows are
-filled with random values and the committed length is set to N, which is all the step kernels read.
+For each model and committed length N (batch 1, bf16, CUDA graphs, median of several timed blocks of rounds), with
+the target's layers, the draft's ``propose`` and the round's tail compiled (``compile=True``) and, for comparison,
+not (``--compile both``):
 
-The configurations are the published ones (``CONFIGS``) with ``max_position_embeddings`` raised to 262144 so the
-RoPE table covers 128k (as in the long-context variants LongSpec used, e.g. Llama-3-8B-Instruct-262k); weights are
-random, which changes no step's cost. Usage (GPU):
-``python -m benchmarks.bench_step_latency --models Llama-3-8B Qwen2.5-32B --contexts 8192 32768 131072 --tau 3``.
+* **decode**: a plain decoding round (the decode forward, then its tail: the draw and the state update);
+* **verify**: the target forward over the 69-node 4-16-16-16-16 tree (``hybrid_tree_attn``);
+* **draft**: the LongSpec draft's ``propose`` (5 levels of the one-block draft), with the full LM head and with a
+  reduced drafting vocabulary (``--draft-vocab``, the most frequent tokens; here of random counts, since the cost
+  does not depend on which tokens);
+* **accept**: the tail after a verify (draws at every node, acceptance, stops, ``commit_kv_``, state update);
+* **round**: draft + verify + accept as ``generate`` runs them, its one host sync per round included.
+
+Floors, timed in the same process: every ``nn.Linear`` of the target (LM head included) at M = 1 and at M = 69 in
+one CUDA graph; the layers' attention kernels (``prefix_attn`` at M = 1, ``hybrid_tree_attn`` at the tree's
+M = 69) over each layer's own cache, in one graph; and the bytes a step must read (weights + the committed K/V)
+over the copy bandwidth measured here. The ratios the issue sets targets for are
+decode / (linears@1 + decode attention), verify / (linears@69 + hybrid attention) and round / decode.
+
+No prefill runs: :meth:`~longspec.SpeculativeDecoder.synthetic_run` fills the cache with random K/V and sets the
+committed length, which is all the step kernels read. Configurations are the published ones (``CONFIGS``) with
+``max_position_embeddings`` raised to 262144 (as in the long-context variants LongSpec used); weights are random,
+which changes no step's cost. ``--models pair`` times the shipped trained pair (``longspec.pretrained``).
+
+Usage (GPU): ``python -m benchmarks.bench_step_latency --models Llama-3-8B Qwen2.5-32B pair --contexts 8192 32768``.
 """
 from __future__ import annotations
 
@@ -19,8 +31,11 @@ import argparse
 import json
 import os
 import statistics
+import time
 
 import torch
+
+from benchmarks.timing import measure_peaks
 
 # Published architecture values (config.json of meta-llama/Meta-Llama-3-8B and Qwen/Qwen2.5-32B).
 CONFIGS = {
@@ -36,20 +51,31 @@ TREE = (4, 16, 16, 16, 16)
 
 
 def build(name: str, device: str = "cuda"):
+    """A bf16 target with random weights from a published config."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     values = dict(CONFIGS[name])
     cfg = AutoConfig.for_model(values.pop("model_type"), **values, max_position_embeddings=MAX_POSITIONS)
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    return model.eval()
+        return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
 
 
-def time_us(fn, iters: int, repeats: int = 5) -> float:
-    """Median over ``repeats`` of the mean time of ``iters`` back-to-back calls, in microseconds."""
-    fn()
-    torch.cuda.synchronize()
+def target_and_draft(name: str, device: str = "cuda"):
+    """(target, draft) in bf16: a published config with a fresh draft, or the shipped trained pair."""
+    from longspec import LongSpecDraft
+
+    if name == "pair":
+        from longspec.pretrained import load_code_pair
+
+        pair = load_code_pair(device, torch.bfloat16)
+        return pair.target, pair.draft
+    target = build(name, device)
+    return target, LongSpecDraft.from_target(target)
+
+
+def _events_us(fn, iters: int, repeats: int = 5) -> float:
+    """Median over ``repeats`` blocks of the mean device time of ``iters`` back-to-back calls, in microseconds."""
     samples = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -57,99 +83,225 @@ def time_us(fn, iters: int, repeats: int = 5) -> float:
         for _ in range(iters):
             fn()
         end.record()
-        torch.cuda.synchronize()
+        end.synchronize()
         samples.append(start.elapsed_time(end) * 1e3 / iters)
     return statistics.median(samples)
 
 
-def measure(target, context: int, iters: int) -> dict:
-    """Step times in microseconds for one target at committed length ``context`` (batch 1)."""
-    from longspec import LongSpecDraft, LongSpecDrafter, SpeculativeDecoder
-    from longspec.decode.decoder import _CudaGraphDraft
-    from longspec.decode.drafter import DecodeState
-    from longspec.decode.sampling import SamplingParams
-    from longspec.decode.tree import tree_mask_from_parents
-    from longspec.decode.verify import accept_tree, node_draws
-    from longspec.model.target import use_longspec_attention
+def _graph_us(fn, iters: int) -> float:
+    from longspec.decode.graphs import capture
 
-    drafter = LongSpecDrafter(LongSpecDraft.from_target(target))
-    dec = SpeculativeDecoder(target, drafter, tree_shape=TREE, cuda_graphs=True)
-    tree, vocab = dec.tree, target.config.vocab_size
-    with torch.inference_mode(), use_longspec_attention(target):
-        cache = dec._cache_for(1, context + dec._scratch_rows() + tree.depth + 2)
-        cache.kv.normal_()
-        cache.seqlens.fill_(context)
-        g = torch.Generator(device="cuda").manual_seed(0)
-        tokens = torch.randint(0, vocab, (1, context + tree.depth + 2), device="cuda", generator=g)
-        root = tokens[:, context].clone()
-        state = DecodeState(target, cache, tokens, root, torch.ones(1, dtype=torch.bool, device="cuda"))
-        drafter.prefill(state, tree)
-        draft = _CudaGraphDraft(drafter, state, tree)
-        t_draft = time_us(draft, iters)
-        proposal = draft()
-        mask = tree_mask_from_parents(proposal.parents, tree)
-        verify = dec._graphed("verify", dec._tree_logits)
-        t_verify = time_us(lambda: verify(proposal.tokens, mask), iters)
-        logits = verify(proposal.tokens, mask).clone()
-        decode = dec._graphed("decode", dec._decode_logits)
-        t_decode = time_us(lambda: decode(root[:, None]), iters)
-        params = SamplingParams(0.0, 0, 1.0, None)
-
-        def accept():
-            draws = node_draws(logits, params, cache.seqlens, tree, None)
-            acc = accept_tree(proposal.tokens, proposal.parents, mask, draws, tree)
-            torch.ops.longspec.commit_kv_(cache.planes(), cache.seqlens, acc.accept_index.to(torch.int32),
-                                          acc.accept_len.to(torch.int32))
-
-        t_accept = time_us(accept, iters)
-    out = {"context": context, "decode_us": t_decode, "verify_us": t_verify, "draft_us": t_draft,
-           "accept_us": t_accept, "round_us": t_draft + t_verify + t_accept,
-           "draft_bytes": drafter.nbytes(), "draft_params": sum(p.numel() for p in drafter.draft.parameters())}
-    del dec, drafter
-    torch.cuda.empty_cache()
-    return out
+    graph, _ = capture(fn)
+    return _events_us(graph.replay, iters)
 
 
-def write(rows: list[dict], meta: dict, taus: list[float], out_dir: str) -> None:
+def round_times(dec, context: int, iters: int) -> dict:
+    """Per-phase device time (PhaseTimer events) and the wall time of whole rounds with their host sync, in us.
+
+    The first round captures the graphs (and compiles, with ``compile=True``): its wall time is reported as the
+    first-use cost. Returns the run too (its cache serves the attention floor)."""
+    from longspec.decode.decoder import PhaseTimer
+
+    run = dec.synthetic_run(context, rounds=3 * iters + 4)
+    with dec.rounds():
+        t0 = time.perf_counter()
+        dec.step(run)
+        bool(run.state.active.any())
+        first = time.perf_counter() - t0
+        dec.step(run)
+        timer = PhaseTimer(run.state.root.device)
+        for _ in range(iters):
+            dec.step(run, timer)
+        phases = {k: v * 1e6 / iters for k, v in timer.seconds().items()}
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            dec.step(run)
+            bool(run.state.active.any())  # generate's one host sync per round
+        wall = (time.perf_counter() - t0) * 1e6 / iters
+    return {"phases_us": phases, "round_wall_us": wall, "first_round_s": first, "run": run}
+
+
+def linear_floor_us(target, rows: int, iters: int) -> float:
+    """All of the target's nn.Linear layers (LM head included) at M = ``rows``, one graph, cold weights."""
+    lins = [m for m in target.modules() if isinstance(m, torch.nn.Linear)]
+    xs = {m.in_features: torch.randn(1, rows, m.in_features, device="cuda", dtype=torch.bfloat16) for m in lins}
+
+    def run():
+        for m in lins:
+            torch.nn.functional.linear(xs[m.in_features], m.weight, m.bias)
+
+    with torch.inference_mode():
+        return _graph_us(run, iters)
+
+
+def attention_floor_us(run, context: int, rows: int, iters: int) -> float:
+    """The attention op of every layer over its own cache (``prefix_attn`` at M = 1, else ``hybrid_tree_attn`` at
+    M = ``rows`` under a chain mask), in one graph."""
+    cache, cfg = run.state.cache, run.state.target.config
+    Hq, D = cfg.num_attention_heads, cache.kv.shape[-1]
+    q = torch.randn(1, rows, Hq, D, device="cuda", dtype=torch.bfloat16)
+    kt = torch.randn(1, rows, cache.kv.shape[-2], D, device="cuda", dtype=torch.bfloat16)
+    mask = torch.ones(rows, rows, dtype=torch.bool, device="cuda").tril()[None]
+    lens = torch.full((1,), context, dtype=torch.int32, device="cuda")
+    lens_q = torch.full((1, 1), context + 1, dtype=torch.int32, device="cuda")
+    scale = D ** -0.5
+
+    def run():
+        for layer in range(cache.num_layers):
+            k, v = cache.key(layer), cache.value(layer)
+            if rows == 1:
+                torch.ops.longspec.prefix_attn(q, k, v, lens_q, scale)
+            else:
+                torch.ops.longspec.hybrid_tree_attn(q, k, v, lens, kt, kt, mask, scale)
+
+    with torch.inference_mode():
+        return _graph_us(run, iters)
+
+
+def measure(name: str, contexts: list[int], compiles: list[bool], draft_vocab: int, iters: int, peaks: dict,
+            on_row=lambda row: None) -> list:
+    from longspec import LongSpecDrafter, SpeculativeDecoder
+    from longspec.model.draft import frequent_tokens
+
+    target, draft = target_and_draft(name)
+    vocab = target.get_output_embeddings().weight.shape[0]
+    reduced = None
+    if 0 < draft_vocab < vocab:
+        counts = torch.randint(0, 1 << 20, (vocab,), generator=torch.Generator().manual_seed(0))
+        reduced = frequent_tokens(counts, draft_vocab)
+    weights = sum(p.numel() * p.element_size() for p in target.parameters())
+    rows = []
+    for compile in compiles:
+        plain = SpeculativeDecoder(target, None, cuda_graphs=True, compile=compile)
+        spec = SpeculativeDecoder(target, LongSpecDrafter(draft), tree_shape=TREE, cuda_graphs=True, compile=compile)
+        T = spec.tree.num_nodes
+        for context in contexts:
+            draft.set_draft_vocab(None)
+            d = round_times(plain, context, iters)
+            s = round_times(spec, context, iters)
+            row = {"model": name, "context": context, "compile": compile,
+                   "decode_us": d["phases_us"]["verify"] + d["phases_us"]["accept"],
+                   "decode_forward_us": d["phases_us"]["verify"], "decode_wall_us": d["round_wall_us"],
+                   "verify_us": s["phases_us"]["verify"], "draft_us": s["phases_us"]["draft"],
+                   "accept_us": s["phases_us"]["accept"], "round_wall_us": s["round_wall_us"],
+                   "first_round_s": {"decode": d["first_round_s"], "spec": s["first_round_s"]}}
+            if reduced is not None:
+                draft.set_draft_vocab(reduced)
+                spec_r = SpeculativeDecoder(target, LongSpecDrafter(draft), tree_shape=TREE, cuda_graphs=True,
+                                            compile=compile)
+                r = round_times(spec_r, context, iters)
+                row["draft_vocab"] = draft_vocab
+                row["draft_reduced_us"] = r["phases_us"]["draft"]
+                row["round_reduced_wall_us"] = r["round_wall_us"]
+                del spec_r
+                draft.set_draft_vocab(None)
+            row["round_us"] = row["draft_us"] + row["verify_us"] + row["accept_us"]
+            cache = s["run"].state.cache
+            kv_bytes = cache.kv[:, :, :, :context].numel() * cache.kv.element_size()
+            row["bytes_floor_us"] = (weights + kv_bytes) / peaks["copy_bytes_per_s"] * 1e6
+            row["linears_m1_us"] = linear_floor_us(target, 1, iters)
+            row["linears_mT_us"] = linear_floor_us(target, T, iters)
+            row["attn_decode_us"] = attention_floor_us(d["run"], context, 1, iters)
+            row["attn_verify_us"] = attention_floor_us(s["run"], context, T, iters)
+            _ratios(row)
+            rows.append(row)
+            on_row(row)
+            print(json.dumps(row), flush=True)
+        del plain, spec
+        torch.cuda.empty_cache()
+    draft.set_draft_vocab(None)
+    return rows
+
+
+def _ratios(row: dict) -> None:
+    row["decode_floor_us"] = row["linears_m1_us"] + row["attn_decode_us"]
+    row["verify_floor_us"] = row["linears_mT_us"] + row["attn_verify_us"]
+    row["decode_vs_floor"] = row["decode_us"] / row["decode_floor_us"]
+    row["verify_vs_floor"] = row["verify_us"] / row["verify_floor_us"]
+    row["round_per_decode"] = row["round_wall_us"] / row["decode_wall_us"]
+    if "round_reduced_wall_us" in row:
+        row["round_reduced_per_decode"] = row["round_reduced_wall_us"] / row["decode_wall_us"]
+
+
+def write(rows: list[dict], meta: dict, out_dir: str, plot: bool = True) -> None:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "step_latency.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    head = " | ".join(f"speedup @ tau {t:g}" for t in taus)
-    lines = ["# real-size step latency (random weights, bf16, batch 1, CUDA graphs)", "",
+    lines = ["# Round cost at real sizes (random weights, bf16, batch 1, CUDA graphs; us)", "",
              "; ".join(f"{k}: {v}" for k, v in meta.items()), "",
-             f"| model | context | decode us | verify us | draft us | accept us | round us | {head} |",
-             "|---|---|---|---|---|---|---|" + "---|" * len(taus)]
+             "decode = plain round (forward + tail); round = draft + verify + accept with its host sync (wall); "
+             "floors: all linears + the layers' attention kernels, timed in this run.", "",
+             "| model | N | compile | decode | floor | x | verify | floor | x | draft | draft (reduced) | accept | "
+             "round | round/decode | reduced round/decode | first round s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        speedups = " | ".join(f"{t * r['decode_us'] / r['round_us']:.2f}" for t in taus)
-        lines.append(f"| {r['model']} | {r['context']} | {r['decode_us']:.0f} | {r['verify_us']:.0f} | "
-                     f"{r['draft_us']:.0f} | {r['accept_us']:.0f} | {r['round_us']:.0f} | {speedups} |")
+        lines.append(
+            f"| {r['model']} | {r['context']} | {'on' if r['compile'] else 'off'} | {r['decode_us']:.0f} | "
+            f"{r['decode_floor_us']:.0f} | {r['decode_vs_floor']:.2f} | {r['verify_us']:.0f} | "
+            f"{r['verify_floor_us']:.0f} | {r['verify_vs_floor']:.2f} | {r['draft_us']:.0f} | "
+            f"{r.get('draft_reduced_us', float('nan')):.0f} | {r['accept_us']:.0f} | {r['round_wall_us']:.0f} | "
+            f"{r['round_per_decode']:.2f} | {r.get('round_reduced_per_decode', float('nan')):.2f} | "
+            f"{r['first_round_s']['spec']:.1f} |")
     with open(os.path.join(out_dir, "step_latency.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    print("\n".join(lines), flush=True)
+    if plot:
+        print("\n".join(lines), flush=True)
+        _plot(rows, os.path.join(out_dir, "step_latency.png"))
+
+
+def _plot(rows: list[dict], path: str) -> None:
+    """Stacked bars per (model, N, compile): a round's draft / verify / accept against the decode step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['model']}\n{r['context'] // 1024}k {'C' if r['compile'] else 'E'}" for r in rows]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows)), 4.5))
+    bottom = [0.0] * len(rows)
+    for key, color in (("draft_us", "tab:orange"), ("verify_us", "tab:blue"), ("accept_us", "tab:green")):
+        vals = [r[key] / r["decode_us"] for r in rows]
+        ax.bar(x, vals, bottom=bottom, color=color, label=key[:-3])
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.axhline(1.4, color="r", lw=0.8, ls="--", label="target 1.4")
+    ax.set_xticks(list(x), labels, fontsize=7)
+    ax.set_ylabel("time / decode step")
+    ax.set_title("LongSpec round cost in decode steps (C = compiled, E = eager kernels)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", nargs="+", choices=sorted(CONFIGS), default=sorted(CONFIGS))
-    ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 131072])
-    ap.add_argument("--tau", type=float, nargs="+", default=[3.0], help="tau values to project the speedup at")
+    ap.add_argument("--models", nargs="+", choices=sorted(CONFIGS) + ["pair"], default=sorted(CONFIGS))
+    ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768])
+    ap.add_argument("--compile", choices=("on", "off", "both"), default="both")
+    ap.add_argument("--draft-vocab", type=int, default=32768, help="reduced drafting vocabulary (0: none)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_step_latency needs a CUDA device")
-    rows = []
-    for name in a.models:
-        target = build(name)
-        for context in a.contexts:
-            row = {"model": name, **measure(target, context, a.iters)}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-        del target
-        torch.cuda.empty_cache()
+    compiles = {"on": [True], "off": [False], "both": [True, False]}[a.compile]
+    peaks = measure_peaks()
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "tree": "-".join(map(str, TREE)),
-            "git_sha": os.environ.get("LONGSPEC_GIT_SHA", "unknown")}
-    write(rows, meta, a.tau, a.out)
+            "git_sha": os.environ.get("LONGSPEC_GIT_SHA", "unknown"),
+            "copy_TBps": round(peaks["copy_bytes_per_s"] / 1e12, 2)}
+    rows = []
+
+    def on_row(row):  # written after every row, so a run cut short keeps what it measured
+        rows.append(row)
+        write(rows, meta, a.out, plot=False)
+
+    for name in a.models:
+        vocab_size = a.draft_vocab if name != "pair" else min(a.draft_vocab, 2048)
+        measure(name, a.contexts, compiles, vocab_size, a.iters, peaks, on_row)
+        torch.cuda.empty_cache()
+    write(rows, meta, a.out)
 
 
 if __name__ == "__main__":

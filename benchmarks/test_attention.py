@@ -145,6 +145,20 @@ def flash_attn_pkg(c: Case):
     return run
 
 
+def fa3_kvcache_merge(c: Case):
+    """FlashAttention-3 (the ``fa3-fwd`` forward-only wheel) over the cache with its LSE, then longspec's tree_attn
+    and merge_attn_states: the composition SGLang uses for tree verification on Hopper."""
+    fa3 = pytest.importorskip("fa3_fwd_interface")
+
+    def run():
+        o, lse = fa3.flash_attn_with_kvcache(c.q, c.k, c.v, cache_seqlens=c.seqlens, softmax_scale=c.scale,
+                                             return_softmax_lse=True)[:2]
+        ot, lt = _ops.tree_attn(c.q, c.k_tree, c.v_tree, c.mask, c.scale)
+        return _ops.merge_attn_states(o, lse, ot, lt)
+
+    return run
+
+
 TREE_METHODS = {
     "longspec hybrid_tree_attn": longspec_hybrid,
     "longspec prefix+tree+merge": longspec_composed,
@@ -153,6 +167,7 @@ TREE_METHODS = {
     "FlexAttention tree mask": flex_tree,
     "PyTorch FA2 + merge": torch_fa2_merge,
     "flash-attn kvcache + merge": flash_attn_pkg,
+    "FlashAttention-3 kvcache + merge": fa3_kvcache_merge,
 }
 
 
@@ -213,8 +228,20 @@ def longspec_decode(c: Case):
     return lambda: _ops.prefix_attn(c.q, c.k, c.v, c.seqlens, c.scale)
 
 
+def fa3_decode(c: Case):
+    fa3 = pytest.importorskip("fa3_fwd_interface")
+    return lambda: fa3.flash_attn_with_kvcache(c.q, c.k, c.v, cache_seqlens=c.seqlens, softmax_scale=c.scale,
+                                               return_softmax_lse=True)[:2]
+
+
+DECODE_METHODS = {
+    "longspec prefix_attn (M=1)": longspec_decode,
+    "SDPA decode (M=1)": sdpa_decode,
+    "FlashAttention-3 kvcache (M=1)": fa3_decode,
+}
+
+
 @pytest.mark.parametrize("N", NS)
-@pytest.mark.parametrize("method", ["longspec prefix_attn (M=1)", "SDPA decode (M=1)"])
+@pytest.mark.parametrize("method", list(DECODE_METHODS))
 def test_decode(benchmark, record, peaks, method, N):
-    build = longspec_decode if method.startswith("longspec") else sdpa_decode
-    _run_case(record, benchmark, peaks, method, N, 1, build)
+    _run_case(record, benchmark, peaks, method, N, 1, DECODE_METHODS[method])
