@@ -54,9 +54,13 @@ def expand_level(cum_logp: Tensor, logp: Tensor, width: int) -> tuple[Tensor, Te
         are distinct tokens by construction (each (parent, token) pair appears once).
     """
     B, P, V = logp.shape
-    scores = (cum_logp[:, :, None] + logp).reshape(B, P * V)
-    top, idx = torch.topk(scores, width, dim=1)
-    return idx // V, idx % V, top
+    # Two stages: a child in the global top-``width`` is in its own parent's top-``width`` (the parent's cumulative
+    # log-probability shifts its whole row), so per-parent top-k (P rows in parallel) then a top-k over P * k
+    # candidates select the same set as one top-k over all P * V pairs, which is one long serial row.
+    k = min(width, V)
+    child, token = torch.topk(logp, k, dim=-1)  # [B, P, k]
+    top, idx = torch.topk((cum_logp[:, :, None] + child).reshape(B, P * k), width, dim=1)
+    return idx // k, token.reshape(B, P * k).gather(1, idx), top
 
 
 def prefix_tree_mask(prefix_len: Tensor, width: int, tree_mask: Tensor) -> Tensor:
