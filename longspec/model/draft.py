@@ -33,7 +33,7 @@ import torch
 from huggingface_hub.dataclasses import strict
 from torch import Tensor, nn
 from transformers import PreTrainedConfig, PreTrainedModel
-from transformers.activations import ACT2FN
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, rotate_half
 
 import longspec_ops  # noqa: F401  (registers torch.ops.longspec)
 from longspec.model.target import head_dim, num_kv_heads
@@ -124,21 +124,6 @@ class LongSpecDraftConfig(PreTrainedConfig):
         return cls(**fields)
 
 
-class LongSpecRMSNorm(nn.Module):
-    """RMSNorm as in Llama/Qwen2: normalise in float32, scale by ``weight`` in the input dtype."""
-
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.variance_epsilon = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        xf = x.to(torch.float32)
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * xf.to(dtype)
-
-
 class LongSpecAttention(nn.Module):
     """The projections of one attention sublayer (``GlideAttention``): q/k/v with bias, o_proj without.
 
@@ -156,29 +141,9 @@ class LongSpecAttention(nn.Module):
         self.o_proj = nn.Linear(hq * d, config.hidden_size, bias=False)
 
 
-class LongSpecMLP(nn.Module):
-    """SwiGLU: ``down(act(gate(x)) * up(x))``."""
-
-    def __init__(self, config: LongSpecDraftConfig) -> None:
-        super().__init__()
-        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(h, i, bias=bias)
-        self.up_proj = nn.Linear(h, i, bias=bias)
-        self.down_proj = nn.Linear(i, h, bias=bias)
-        self.act_fn = ACT2FN[config.hidden_act]
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-
-
-def rotate_half(x: Tensor) -> Tensor:
-    """``[-x2, x1]`` for the two halves of the last dim (the Llama/Qwen2 RoPE convention)."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x ``[B, S, H, D]`` rotated by cos/sin ``[B, S, D]`` (broadcast over heads)."""
+    """x ``[B, S, H, D]`` (flash layout) rotated by cos/sin ``[B, S, D]``, broadcast over heads (transformers'
+    ``rotate_half`` convention, as the Llama/Qwen2 targets rotate)."""
     return x * cos[:, :, None, :] + rotate_half(x) * sin[:, :, None, :]
 
 
@@ -270,16 +235,17 @@ class LongSpecDraft(PreTrainedModel):
     config_class = LongSpecDraftConfig
     config: LongSpecDraftConfig
     base_model_prefix = "model"  # the prefix a published checkpoint may carry ("model.self_attn....")
-    _no_split_modules = ["LongSpecAttention", "LongSpecMLP"]
+    _no_split_modules = ["LongSpecAttention", "LlamaMLP"]
 
     def __init__(self, config: LongSpecDraftConfig) -> None:
         super().__init__(config)
-        self.input_layernorm = LongSpecRMSNorm(config.hidden_size, config.rms_norm_eps)
+        # RMSNorm and the gated MLP are transformers' own Llama modules (the authors' block uses the same math)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LongSpecAttention(config)
-        self.post_self_attention_layernorm = LongSpecRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_self_attention_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.cross_attn = LongSpecAttention(config)
-        self.post_cross_attention_layernorm = LongSpecRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LongSpecMLP(config)
+        self.post_cross_attention_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
         self._borrowed: Optional[_Borrowed] = None
         # The reduced drafting vocabulary (see set_draft_vocab): target token ids, sorted; None = the full head.
         # Not in the state dict (published checkpoints have none): saved as draft_vocab.json beside the weights.
