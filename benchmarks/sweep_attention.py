@@ -20,7 +20,8 @@ import triton
 
 from benchmarks.test_attention import Case
 from benchmarks.timing import Timer
-from longspec_ops.kernels import attention as K
+from longspec_ops.kernels import configs as C
+from longspec_ops.kernels import launch as K
 
 
 def _configs(case: str, N: int, quick: bool):
@@ -31,13 +32,13 @@ def _configs(case: str, N: int, quick: bool):
         if not quick:
             grid = itertools.chain(grid, itertools.product([64, 128], [32, 64, 128], [4, 8], [2, 3, 4], [None]))
         if torch.cuda.get_device_capability() == (9, 0):  # the Gluon wgmma kernel: ring depth, split count
-            sm90 = K.split_config(128, 296, torch.bfloat16, torch.device("cuda"))
+            sm90 = C.split_config(128, 296, torch.bfloat16, torch.device("cuda"))
             for st, sr in itertools.product([3] if quick else [2, 3, 4], splits + [-(-N // 13), -(-N // 26)]):
                 yield dataclasses.replace(sm90, num_stages=st, split_rows=sr)
     else:
         grid = itertools.product([16], [64, 128], [4], [3, 4] if quick else [2, 3, 4], splits)
     for bm, bn, w, st, sr in grid:
-        yield K.AttnConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st, split_rows=sr)
+        yield C.AttnConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st, split_rows=sr)
 
 
 def sweep(case: str, N: int, timer: Timer, quick: bool) -> list[dict]:
@@ -107,8 +108,8 @@ def load_paths(timer: Timer) -> list[dict]:
         for case, M in (("hybrid_tree_attn (M=74)", 74), ("prefix_attn (M=1)", 1)):
             c = Case(N, M)
             rows_g = M * (c.q.shape[2] // c.k.shape[2])
-            default = K.split_config(c.q.shape[3], rows_g, c.q.dtype, c.q.device)
-            triton_cfg = K.split_config(c.q.shape[3], rows_g, c.q.dtype)  # the Triton kernel's table config
+            default = C.split_config(c.q.shape[3], rows_g, c.q.dtype, c.q.device)
+            triton_cfg = C.split_config(c.q.shape[3], rows_g, c.q.dtype)  # the Triton kernel's table config
             variants = {"default": default}
             if default.wgmma:
                 variants["Gluon wgmma, plain merge launch"] = dataclasses.replace(default, pdl=False)
@@ -152,7 +153,7 @@ def eager_overhead() -> list[dict]:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     def pointers(case):  # the table config with pointer cache loads instead of TMA
-        base = K.split_config(case.q.shape[3], case.q.shape[1] * (case.q.shape[2] // case.k.shape[2]), case.q.dtype)
+        base = C.split_config(case.q.shape[3], case.q.shape[1] * (case.q.shape[2] // case.k.shape[2]), case.q.dtype)
         return dataclasses.replace(base, tma=False)
 
     block = [1, 64, 1, 128]

@@ -20,13 +20,13 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.jit import mangle_type
 
-from longspec_ops.kernels import attention as K
+from longspec_ops.kernels import configs as C
 from longspec_ops.kernels import attention_sm90 as SM
 
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
-def compile_sm90(D: int, dtype: torch.dtype, cfg: K.AttnConfig):
+def compile_sm90(D: int, dtype: torch.dtype, cfg: C.AttnConfig):
     """The kernel as ``_launch_sm90`` specialises it, compiled for sm_90a (no device needed)."""
     fn = SM._split_attn_sm90_kernel
     gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
@@ -62,7 +62,7 @@ def _cuobjdump(kernel, *args: str) -> str:
 
 
 def report(D: int, dtype: torch.dtype) -> dict:
-    cfg = K._SM90_SPLIT
+    cfg = C._SM90_SPLIT
     kernel = compile_sm90(D, dtype, cfg)
     usage = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", _cuobjdump(kernel, "--dump-resource-usage"))
     sass = _cuobjdump(kernel, "-sass")

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import longspec_ops
-from longspec_ops.kernels import attention as K
+from longspec_ops.kernels import configs as C
+from longspec_ops.kernels import launch as K
 from longspec_ops.reference import attention as ref
 
 from ..conftest import requires_cuda
@@ -100,7 +101,7 @@ def _run(B, M, N, heads, D, dtype, strided=False, tma=None):
     if tma is None:
         hybrid, prefix = longspec_ops.hybrid_tree_attn, longspec_ops.prefix_attn
     else:
-        cfg = dataclasses.replace(K.split_config(D, M * (heads[0] // heads[1]), dtype), tma=tma)
+        cfg = dataclasses.replace(C.split_config(D, M * (heads[0] // heads[1]), dtype), tma=tma)
         hybrid = functools.partial(K.hybrid_tree_attn, config=cfg)
         prefix = functools.partial(K.prefix_attn, config=cfg)
     out, lse = hybrid(q, kc, vc, lens, kt, vt, mask, scale)
@@ -156,7 +157,7 @@ def test_load_and_launch_paths(M, N, tma, pdl):
     hidden = torch.arange(N, device="cuda")[None, :] >= lens[:, None]
     dirty_k, dirty_v = kc.clone(), vc.clone()
     dirty_k[hidden], dirty_v[hidden] = float("nan"), float("nan")
-    cfg = dataclasses.replace(K.split_config(D, M * 4, torch.bfloat16), tma=tma, pdl=pdl)
+    cfg = dataclasses.replace(C.split_config(D, M * 4, torch.bfloat16), tma=tma, pdl=pdl)
     scale = 1 / math.sqrt(D)
     vis = torch.cat([ref.prefix_visibility(lens, M, N), mask], dim=-1)
     keys, vals = torch.cat([kc, kt], 1), torch.cat([vc, vt], 1)
@@ -188,7 +189,7 @@ def test_sm90_kernel_splits_and_unwritten_rows(case, split_rows, monkeypatch):
     dirty_k, dirty_v = kc.clone(), vc.clone()
     dirty_k[hidden], dirty_v[hidden] = float("nan"), float("nan")
     G = heads[0] // heads[1]
-    cfg = dataclasses.replace(K.split_config(D, M * G, dtype, q.device), split_rows=split_rows)
+    cfg = dataclasses.replace(C.split_config(D, M * G, dtype, q.device), split_rows=split_rows)
     launches = []
     launch = K._launch_sm90
     monkeypatch.setattr(K, "_launch_sm90", lambda *args: (launches.append(1), launch(*args)))

@@ -23,7 +23,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from longspec_ops.kernels import attention as K  # noqa: E402
+from longspec_ops.kernels import configs as C  # noqa: E402
+from longspec_ops.kernels import launch as K  # noqa: E402
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _SMEM_PER_SM = 228 * 1024  # H100/H200: 228 KiB per SM, 1 KiB of it reserved per resident block
@@ -50,17 +51,17 @@ def test_two_programs_fit_per_sm_and_softmax_overlaps_pv(D, dtype):
 
 def test_kernel_choice(monkeypatch):
     cuda = torch.device("cuda")
-    monkeypatch.setattr(K, "_capability", lambda device: (9, 0))
-    assert K.split_config(128, 296, torch.bfloat16, cuda) is K._SM90_SPLIT  # tree verification: Gluon
-    assert K.split_config(64, 69, torch.float16, cuda) is K._SM90_SPLIT
-    assert not K.split_config(128, 64, torch.bfloat16, cuda).wgmma  # decode-sized tiles stay in Triton
-    assert not K.split_config(128, 296, torch.float32, cuda).wgmma
-    assert not K.split_config(96, 296, torch.float16, cuda).wgmma
-    assert not K.split_config(128, 296, torch.bfloat16).wgmma  # no device: the Triton table
-    monkeypatch.setattr(K, "_capability", lambda device: (10, 0))
-    assert not K.split_config(128, 296, torch.bfloat16, cuda).wgmma  # wgmma is sm_90 only
+    monkeypatch.setattr(C, "_capability", lambda device: (9, 0))
+    assert C.split_config(128, 296, torch.bfloat16, cuda) is C._SM90_SPLIT  # tree verification: Gluon
+    assert C.split_config(64, 69, torch.float16, cuda) is C._SM90_SPLIT
+    assert not C.split_config(128, 64, torch.bfloat16, cuda).wgmma  # decode-sized tiles stay in Triton
+    assert not C.split_config(128, 296, torch.float32, cuda).wgmma
+    assert not C.split_config(96, 296, torch.float16, cuda).wgmma
+    assert not C.split_config(128, 296, torch.bfloat16).wgmma  # no device: the Triton table
+    monkeypatch.setattr(C, "_capability", lambda device: (10, 0))
+    assert not C.split_config(128, 296, torch.bfloat16, cuda).wgmma  # wgmma is sm_90 only
     with pytest.raises(ValueError, match="wgmma"):
-        K.AttnConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, wgmma=True)
+        C.AttnConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, wgmma=True)
     q = torch.zeros(1, 74, 32, 128, dtype=torch.bfloat16)
     kv = torch.zeros(1, 4096, 8, 128, dtype=torch.bfloat16)
     assert not K._wgmma_applies(q, kv, kv, torch.zeros(1, dtype=torch.int32), 128, 4)  # CPU tensors: never
@@ -90,7 +91,7 @@ def test_launcher_binds_every_kernel_argument(monkeypatch):
     vt = torch.zeros(B, M, Hkv, D, dtype=torch.float16)
     mask = torch.ones(B, M, M, dtype=torch.bool)
     lens = torch.full((B,), N, dtype=torch.int32)
-    cfg = dataclasses.replace(K._SM90_SPLIT, split_rows=64)
+    cfg = dataclasses.replace(C._SM90_SPLIT, split_rows=64)
     K.hybrid_tree_attn(q, k, v, lens, kt, vt, mask, 0.125, config=cfg)
     (grid, args, kwargs), (_, merge_args, _) = calls
     assert merge_args[0] is args[fn.arg_names.index("WS_O")]

@@ -15,7 +15,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from longspec_ops.kernels import attention as K  # noqa: E402
+from longspec_ops.kernels import configs as C  # noqa: E402
+from longspec_ops.kernels import launch as K  # noqa: E402
 from longspec_ops.kernels import hybrid_tree_attn, prefix_attn, tree_attn  # noqa: E402
 from longspec_ops.reference import attention as ref  # noqa: E402
 
@@ -32,7 +33,7 @@ OUT_FLOOR = 1e-6  # absolute floor on out: covers cases where the same-precision
 LSE_FLOOR = 1e-5  # lse is float32 in both; this covers fp32 rounding of a different summation order
 # Tiny tiles and a forced split size: many splits, many row tiles and many key blocks even at small shapes. The
 # table configs load 16-bit caches through TMA descriptors (the interpreter emulates them); split48 uses pointers.
-SPLIT = K.AttnConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, split_rows=48, tma=False)
+SPLIT = C.AttnConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, split_rows=48, tma=False)
 CONFIGS = {"table": None, "split48": SPLIT}
 
 
@@ -175,8 +176,8 @@ def test_prefix_clamps_bad_lengths(config):
 def test_prefix_merge_in_steps():
     """38 splits: the split merge takes them 32 per step with an online rescale between steps."""
     B, M, N, Hq, Hkv, D = 3, 3, 600, 4, 2, 64
-    cfg = K.AttnConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, split_rows=16)
-    assert K.plan_splits(N, B * Hkv, 16, 16, 8, 16)[0] == 38 and K.merge_tile(38, M * 2, 64)[0] == 32
+    cfg = C.AttnConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, split_rows=16)
+    assert C.plan_splits(N, B * Hkv, 16, 16, 8, 16)[0] == 38 and C.merge_tile(38, M * 2, 64)[0] == 32
     q, kc, vc, _, _ = _inputs(B, M, N, Hq, Hkv, D, torch.float16, seed=21)
     lens = torch.tensor([N, 0, 517], dtype=torch.int32, device=DEVICE)  # full, empty, ends inside the 2nd step
     args = (q, kc, vc, lens, _scale(D))
@@ -195,7 +196,7 @@ def test_unwritten_cache_rows_are_never_used(tma):
     dirty_k[hidden] = float("nan")
     dirty_v[hidden] = float("inf")
     mask = _random_mask(B, M, seed=32, empty_rows=())
-    cfg = K.AttnConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, split_rows=32, tma=tma)
+    cfg = C.AttnConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, split_rows=32, tma=tma)
     assert K.tma_eligible(dirty_k) and K.tma_eligible(dirty_v)
     args = (q, kc, vc, lens, kt, vt, mask, _scale(D))
     _check(hybrid_tree_attn(q, dirty_k, dirty_v, lens, kt, vt, mask, _scale(D), config=cfg),
@@ -227,14 +228,14 @@ def test_tma_eligible():
 
 
 def test_merge_tile():
-    assert K.merge_tile(16, 4, 128) == (16, 2)  # decode: 16 splits x 2 rows x 128 = one 4096-element step
-    assert K.merge_tile(12, 296, 128) == (16, 2)
-    assert K.merge_tile(200, 296, 128) == (32, 1)  # many splits: 32 per step
-    assert K.merge_tile(2, 1, 64) == (2, 1)
+    assert C.merge_tile(16, 4, 128) == (16, 2)  # decode: 16 splits x 2 rows x 128 = one 4096-element step
+    assert C.merge_tile(12, 296, 128) == (16, 2)
+    assert C.merge_tile(200, 296, 128) == (32, 1)  # many splits: 32 per step
+    assert C.merge_tile(2, 1, 64) == (2, 1)
 
 
 # tree_attn --------------------------------------------------------------------------------------------------------
-TREE_CONFIG = K.AttnConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)  # several row tiles and key blocks
+TREE_CONFIG = C.AttnConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)  # several row tiles and key blocks
 
 
 @pytest.mark.parametrize("config", ["table", "tiny"])
@@ -299,7 +300,7 @@ def test_hybrid_composed_backend(dtype):
     lens = _ragged_lens(B, N, seed=15)
     mask = _random_mask(B, M, seed=16, empty_rows=((1, 2),))
     args = (q, kc, vc, lens, kt, vt, mask, _scale(D))
-    got = hybrid_tree_attn(*args, backend=K.HybridBackend.COMPOSED, config=SPLIT)
+    got = hybrid_tree_attn(*args, backend=C.HybridBackend.COMPOSED, config=SPLIT)
     _check(got, ref.hybrid_tree_attn, args, dtype)
 
 
@@ -310,8 +311,8 @@ def test_hybrid_beam_tree_many_splits():
     M = mask.shape[1]
     q, kc, vc, kt, vt = _inputs(B, M, N, Hq, Hkv, D, torch.float16, strided=True, seed=18)
     lens = torch.tensor([300, 123], dtype=torch.int32, device=DEVICE)
-    cfg = K.AttnConfig(block_m=64, block_n=16, num_warps=4, num_stages=1, split_rows=48)
-    assert K.plan_splits(N, B * Hkv * math.ceil(M * Hq // Hkv / 64), 64, 16, 8, 48) == (7, 48)
+    cfg = C.AttnConfig(block_m=64, block_n=16, num_warps=4, num_stages=1, split_rows=48)
+    assert C.plan_splits(N, B * Hkv * math.ceil(M * Hq // Hkv / 64), 64, 16, 8, 48) == (7, 48)
     args = (q, kc, vc, lens, kt, vt, mask, _scale(D))
     _check(hybrid_tree_attn(*args, config=cfg), ref.hybrid_tree_attn, args, torch.float16)
 
@@ -322,13 +323,13 @@ def test_plan_splits_is_shape_only_and_covers_the_cache():
     # (74 tokens x G = 4 = 296 rows in three 128-row tiles).
     for n, base, block_m, block_n, slots in [(32768, 8, 16, 64, 264), (32768, 24, 128, 64, 132),
                                              (97, 6, 16, 16, 8), (1 << 20, 1, 16, 64, 264), (1, 1024, 128, 64, 132)]:
-        splits, rows = K.plan_splits(n, base, block_m, block_n, slots)
+        splits, rows = C.plan_splits(n, base, block_m, block_n, slots)
         assert rows % block_n == 0 and splits >= 1
         assert (splits - 1) * rows < n <= splits * rows  # every split non-empty, the cache covered
-        assert splits <= K._MAX_SPLITS
-    assert K.plan_splits(32768, 8, 16, 64, 264)[0] > 8  # long decode is split across the SMs
-    assert K.plan_splits(0, 8, 16, 64, 264)[0] == 0
-    assert K.plan_splits(300, 8, 16, 16, 8, 40) == (7, 48)  # a forced split size rounds up to block_n
+        assert splits <= C._MAX_SPLITS
+    assert C.plan_splits(32768, 8, 16, 64, 264)[0] > 8  # long decode is split across the SMs
+    assert C.plan_splits(0, 8, 16, 64, 264)[0] == 0
+    assert C.plan_splits(300, 8, 16, 16, 8, 40) == (7, 48)  # a forced split size rounds up to block_n
 
 
 def test_float64_takes_the_reference():
@@ -343,9 +344,9 @@ def test_float64_takes_the_reference():
 
 def test_config_validation():
     with pytest.raises(ValueError, match="block_m"):
-        K.AttnConfig(block_m=8, block_n=64, num_warps=4, num_stages=2)
+        C.AttnConfig(block_m=8, block_n=64, num_warps=4, num_stages=2)
     with pytest.raises(ValueError, match="block_n"):
-        K.AttnConfig(block_m=16, block_n=48, num_warps=4, num_stages=2)
-    assert K.split_config(128, 296, torch.bfloat16).block_m == 128
-    assert K.split_config(128, 4, torch.bfloat16).block_m == 16
-    assert K.split_config(96, 4, torch.float32).block_n == 16
+        C.AttnConfig(block_m=16, block_n=48, num_warps=4, num_stages=2)
+    assert C.split_config(128, 296, torch.bfloat16).block_m == 128
+    assert C.split_config(128, 4, torch.bfloat16).block_m == 16
+    assert C.split_config(96, 4, torch.float32).block_n == 16
