@@ -154,7 +154,7 @@ def run_generate(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise CLIError(f"the prompt is {prompt_ids.shape[1]} tokens and --max-new-tokens {args.max_new_tokens}: "
                        f"{err}") from None
-    model = _load_model(target_files, getattr(torch, args.dtype), device)
+    model = _load_model(target_files, config, getattr(torch, args.dtype), device)
     drafter = _build_drafter(args, model, draft_path)
     tree_shape = args.tree_shape or ((4, 16, 16, 16, 16) if args.draft else (1, 1, 1, 1, 1))
     decoder = SpeculativeDecoder(model, drafter, tree_shape=tree_shape, cuda_graphs=args.cuda_graphs,
@@ -193,13 +193,14 @@ def _check_model_type(config, arg: str) -> None:
                        f"{', '.join(SUPPORTED_MODEL_TYPES)} models")
 
 
-def _load_model(files: TargetFiles, dtype, device):
-    """The target's weights, once every check that needs no weights has passed."""
+def _load_model(files: TargetFiles, config, dtype, device):
+    """The target's weights, once every check that needs no weights has passed (``config`` is passed on: a GGUF
+    file is then parsed once more for its tensors, not twice)."""
     from transformers import AutoModelForCausalLM
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(files.directory, dtype=dtype, local_files_only=True,
-                                                     **files.from_pretrained_kwargs())
+        model = AutoModelForCausalLM.from_pretrained(files.directory, config=config, dtype=dtype,
+                                                     local_files_only=True, **files.from_pretrained_kwargs())
     except Exception as err:  # noqa: BLE001  (safetensors, OSError, ValueError...: all mean "these weights")
         raise CLIError(f"cannot load the weights of --target {str(files.directory)!r}: {_first_line(err)}") from None
     return model.to(device).eval()
