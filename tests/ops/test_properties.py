@@ -42,8 +42,10 @@ class Case:
     seed: int
     block: int  # the reference's query-block size (_LENGTH_BLOCK)
 
-    def gen(self) -> torch.Generator:
-        return torch.Generator().manual_seed(self.seed)
+    def qkv(self, key_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, M, Hq, D] and k, v [B, key_rows, Hkv, D], from the case's seed."""
+        g = torch.Generator().manual_seed(self.seed)
+        return self.tensor(g, self.M, self.Hq), self.tensor(g, key_rows, self.Hkv), self.tensor(g, key_rows, self.Hkv)
 
     def tensor(self, g: torch.Generator, rows: int, heads: int) -> torch.Tensor:
         """[B, rows, heads, D] in the case's layout (always a contiguous last dim)."""
@@ -104,8 +106,7 @@ def assert_matches(out, lse, visible, q, k, v, c: Case, scale: float) -> None:
 @PROPERTY
 @given(c=cases(min_m=0), data=st.data())
 def test_prefix_attn(c, data):
-    g = c.gen()
-    q, k, v = c.tensor(g, c.M, c.Hq), c.tensor(g, c.N, c.Hkv), c.tensor(g, c.N, c.Hkv)
+    q, k, v = c.qkv(c.N)
     per_query = data.draw(st.booleans())
     lens = lengths(data.draw, c.N, (c.B, c.M) if per_query else (c.B,))
     lens_q = lens if per_query else lens[:, None].expand(c.B, c.M)
@@ -119,9 +120,9 @@ def test_prefix_attn(c, data):
 @PROPERTY
 @given(c=cases(), data=st.data())
 def test_hybrid_tree_attn(c, data):
-    g = c.gen()
-    q, kc, vc = c.tensor(g, c.M, c.Hq), c.tensor(g, c.N, c.Hkv), c.tensor(g, c.N, c.Hkv)
-    kt, vt = c.tensor(g, c.M, c.Hkv), c.tensor(g, c.M, c.Hkv)
+    q, kc, vc = c.qkv(c.N)
+    tree_keys = torch.Generator().manual_seed(c.seed + 2)
+    kt, vt = c.tensor(tree_keys, c.M, c.Hkv), c.tensor(tree_keys, c.M, c.Hkv)
     lens, mask = lengths(data.draw, c.N, (c.B,)), masks(data.draw, c)
     with query_block(c):
         out, lse = longspec_ops.hybrid_tree_attn(q, poison_past(kc, lens), poison_past(vc, lens), lens, kt, vt, mask,
@@ -133,8 +134,7 @@ def test_hybrid_tree_attn(c, data):
 @PROPERTY
 @given(c=cases(), data=st.data())
 def test_tree_attn(c, data):
-    g = c.gen()
-    q, k, v = c.tensor(g, c.M, c.Hq), c.tensor(g, c.M, c.Hkv), c.tensor(g, c.M, c.Hkv)
+    q, k, v = c.qkv(c.M)
     mask = masks(data.draw, c)
     out, lse = longspec_ops.tree_attn(q, k, v, mask, 0.7)
     assert_matches(out, lse, mask, q, k, v, c, 0.7)
@@ -144,8 +144,7 @@ def test_tree_attn(c, data):
 @given(c=cases(), data=st.data())
 def test_draft_cross_attn(c, data):
     """Query i sees target rows [0, min(q_pos[b, i], cache_seqlens[b]))."""
-    g = c.gen()
-    q, k, v = c.tensor(g, c.M, c.Hq), c.tensor(g, c.N, c.Hkv), c.tensor(g, c.N, c.Hkv)
+    q, k, v = c.qkv(c.N)
     seqlens = lengths(data.draw, c.N, (c.B,))
     q_pos = torch.tensor(data.draw(st.lists(st.integers(-2, c.N + 3), min_size=c.B * c.M, max_size=c.B * c.M)),
                          dtype=torch.int32).reshape(c.B, c.M)
@@ -159,8 +158,7 @@ def test_draft_cross_attn(c, data):
 @given(c=cases(), data=st.data())
 def test_merge_attn_states_of_a_split_equals_the_whole(c, data):
     """Attention over a random split of the keys (either side possibly empty), merged, equals attention over all."""
-    g = c.gen()
-    q, k, v = c.tensor(g, c.M, c.Hq), c.tensor(g, c.N, c.Hkv), c.tensor(g, c.N, c.Hkv)
+    q, k, v = c.qkv(c.N)
     visible = masks_over(data.draw, c, c.N, 0.8)
     side_a = masks_over(data.draw, c, c.N, 0.5)
     out_a, lse_a = naive_attention(q, k, v, visible & side_a, 0.5)
