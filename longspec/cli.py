@@ -82,15 +82,10 @@ def _float(lo: float, hi: float = math.inf, lo_open: bool = False) -> Callable[[
     return parse
 
 
-def _import_torch():
-    import torch
-
-    return torch
-
-
 def _device(name: Optional[str]):
     """The torch.device for ``--device`` (default: cuda when available, else cpu), checked to exist."""
-    torch = _import_torch()
+    import torch
+
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -141,7 +136,8 @@ def run_generate(args: argparse.Namespace) -> int:
     draft_path = check_draft(args.draft, target_files) if args.draft else None
     text = read_prompt(args.prompt_file)
 
-    torch = _import_torch()
+    import torch
+
     from longspec import SpeculativeDecoder
     from longspec.model.target import check_generation_length
 
@@ -342,7 +338,7 @@ def run_train(args: argparse.Namespace) -> int:
               "do; raise --steps to train further", file=sys.stderr)
         return 0
 
-    torch = _import_torch()
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from longspec import LongSpecDraft
@@ -361,6 +357,10 @@ def run_train(args: argparse.Namespace) -> int:
                       flash_noisy=not args.no_flash_noisy, parallel=Parallel(parallel), seed=args.seed,
                       save_every=args.save_every, log_every=args.log_every, tensorboard=args.tensorboard)
     history = train(cfg, target, tokenizer, draft=draft)
+    if not history:  # the run reached --steps between the check above and the resume (another process)
+        print(f"longspec: {args.out} already holds a run trained to --steps {args.steps}: nothing to do",
+              file=sys.stderr)
+        return 0
     last = history[-1]
     print(f"trained to step {last['step']}: loss {last['loss']:.4f} (checkpoints in {args.out})", file=sys.stderr)
     return 0

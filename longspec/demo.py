@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, TextIO
 
 import torch
 
@@ -97,10 +97,11 @@ _ROW = "{:36s} {:>5s} {:>13s} {:>8s} {:>13s}  {}"
 
 
 def print_demo(context: int, new_tokens: int, device: torch.device, dtype: str, seed: Optional[int] = None,
-               out=sys.stdout) -> int:
-    """Run the demo and print it as it goes; 0 when every output equals plain decoding's, else 1."""
+               out: Optional[TextIO] = None) -> int:
+    """Run the demo and print it (to ``out``, default stdout) as it goes; 0 when every output equals plain
+    decoding's, else 1."""
     def say(line: str) -> None:
-        print(line, file=out, flush=True)
+        print(line, file=out or sys.stdout, flush=True)
 
     say(f"longspec demo: the shipped code pair (target 15.7M parameters + LongSpec draft), {device} {dtype}; "
         "loading it and building the prompt")

@@ -186,6 +186,11 @@ def test_chat_needs_a_chat_template(model_dir, prompt_file, capsys, no_weights):
     assert "--chat: the target's tokenizer has no chat template" in err
 
 
+def test_a_device_torch_does_not_know(model_dir, prompt_file, capsys, no_weights):
+    err = run(capsys, "generate", "--target", str(model_dir), "--prompt-file", str(prompt_file), "--device", "gpu0")
+    assert "--device 'gpu0' is not a device" in err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
 def test_a_cuda_device_on_a_machine_without_one(model_dir, prompt_file, capsys, no_weights):
     err = run(capsys, "generate", "--target", str(model_dir), "--prompt-file", str(prompt_file), "--device", "cuda")
