@@ -45,9 +45,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return done.code if isinstance(done.code, int) else 2
     try:
         return args.run(args)
-    except (CLIError, ValueError, FileNotFoundError, KeyError) as err:
-        message = err.args[0] if isinstance(err, KeyError) and err.args else err
-        print(f"longspec: error: {message}", file=sys.stderr)
+    except (CLIError, ValueError, FileNotFoundError) as err:
+        print(f"longspec: error: {err}", file=sys.stderr)
         return 2
 
 
@@ -356,7 +355,10 @@ def run_train(args: argparse.Namespace) -> int:
                       kl_weight=args.kl_weight, delta_max=args.delta_max, anchor_offset=not args.no_anchor_offset,
                       flash_noisy=not args.no_flash_noisy, parallel=Parallel(parallel), seed=args.seed,
                       save_every=args.save_every, log_every=args.log_every, tensorboard=args.tensorboard)
-    history = train(cfg, target, tokenizer, draft=draft)
+    try:
+        history = train(cfg, target, tokenizer, draft=draft)
+    except KeyError as err:  # a data record without --field (the message names the file and line)
+        raise CLIError(err.args[0] if err.args else repr(err)) from None
     if not history:  # the run reached --steps between the check above and the resume (another process)
         print(f"longspec: {args.out} already holds a run trained to --steps {args.steps}: nothing to do",
               file=sys.stderr)
