@@ -32,31 +32,31 @@ def _log_steps(out) -> list[int]:
 
 def test_resume_with_gradient_accumulation_continues_at_the_next_batch(tmp_path):
     """Step s consumed s * grad_accum micro-batches: the resumed run must read on from there, not from batch s."""
-    full = train(config(tmp_path / "a", steps=4, save_every=2, grad_accum=3), tiny_target(), CharTokenizer())
+    full = train(config(tmp_path / "a", steps=3, save_every=2, grad_accum=2), tiny_target(), CharTokenizer())
     _interrupt(tmp_path / "a" / "out", tmp_path / "b" / "out", at=2)
-    resumed = train(config(tmp_path / "b", steps=4, save_every=2, grad_accum=3), tiny_target(), CharTokenizer())
-    assert [r["step"] for r in resumed] == [3, 4]
+    resumed = train(config(tmp_path / "b", steps=3, save_every=2, grad_accum=2), tiny_target(), CharTokenizer())
+    assert [r["step"] for r in resumed] == [3]
     for a, b in zip(full[2:], resumed):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=1e-7)
 
 
 def test_a_resumed_run_logs_every_step_once(tmp_path):
-    train(config(tmp_path / "a", steps=6, save_every=3), tiny_target(), CharTokenizer())
+    train(config(tmp_path / "a", steps=4, save_every=2), tiny_target(), CharTokenizer())
     out = tmp_path / "b" / "out"
-    _interrupt(tmp_path / "a" / "out", out, at=3)
-    assert _log_steps(out) == [1, 2, 3, 4, 5, 6]  # logged past the checkpoint before the interruption
-    train(config(tmp_path / "b", steps=6, save_every=3), tiny_target(), CharTokenizer())
-    assert _log_steps(out) == [1, 2, 3, 4, 5, 6]
+    _interrupt(tmp_path / "a" / "out", out, at=2)
+    assert _log_steps(out) == [1, 2, 3, 4]  # logged past the checkpoint before the interruption
+    train(config(tmp_path / "b", steps=4, save_every=2), tiny_target(), CharTokenizer())
+    assert _log_steps(out) == [1, 2, 3, 4]
 
 
 def test_the_run_directory_loads_as_its_latest_checkpoint(tmp_path):
     target = tiny_target()
-    train(config(tmp_path, steps=6, save_every=3), target, CharTokenizer())
+    train(config(tmp_path, steps=2, save_every=1), target, CharTokenizer())
     out = tmp_path / "out"
-    assert (out / "latest").read_text() == "checkpoint-6"
+    assert (out / "latest").read_text() == "checkpoint-2"
     run_dir = LongSpecDraft.from_pretrained(out, target=target).state_dict()
-    last = LongSpecDraft.from_pretrained(out / "checkpoint-6", target=target).state_dict()
-    first = LongSpecDraft.from_pretrained(out / "checkpoint-3", target=target).state_dict()
+    last = LongSpecDraft.from_pretrained(out / "checkpoint-2", target=target).state_dict()
+    first = LongSpecDraft.from_pretrained(out / "checkpoint-1", target=target).state_dict()
     assert all(torch.equal(run_dir[k], last[k]) for k in last)
     assert not all(torch.equal(run_dir[k], first[k]) for k in first)
 
