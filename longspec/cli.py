@@ -1,26 +1,36 @@
-"""The ``longspec`` command line: ``longspec generate | train | demo``.
+"""The ``longspec`` command line: ``longspec generate | train | demo`` (also ``python -m longspec``).
 
 Each subcommand registers itself in :func:`build_parser` with an ``add_<name>_parser`` function and a ``run``
-callable taking the parsed arguments and returning an exit code.
+callable taking the parsed arguments and returning an exit code. Arguments are checked by argparse and the files
+by :mod:`longspec.inputs` before torch and transformers are imported, and the rest (model type, prompt length,
+cache memory) before any weight or cache is allocated. Every bad input ends in one line, ``longspec: error: ...``,
+and exit code 2.
 """
 from __future__ import annotations
 
 import argparse
+import glob
+import math
+import os
 import sys
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-import torch
+from longspec.inputs import CLIError, TargetFiles, available_memory, check_draft, check_target, read_prompt
+from longspec.runs import checkpoint_step, latest_checkpoint
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = ("float32", "float16", "bfloat16")
 
 
-class CLIError(Exception):
-    """A user-facing error: printed as ``longspec: error: ...`` with exit code 2."""
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors as one line, like every other error of the command."""
+
+    def error(self, message: str):
+        self.exit(2, f"longspec: error: {message}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="longspec", description="Long-context lossless speculative decoding.")
+    parser = _Parser(prog="longspec", description="Long-context lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_generate_parser(sub)
     add_train_parser(sub)
@@ -29,81 +39,177 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as done:  # --help, or a bad argument (already reported in one line)
+        return done.code if isinstance(done.code, int) else 2
     try:
         return args.run(args)
-    except (CLIError, ValueError) as err:
+    except (CLIError, ValueError, FileNotFoundError) as err:
         print(f"longspec: error: {err}", file=sys.stderr)
         return 2
+
+
+# -- argument types (argparse reports their errors as "argument --name: ...") ----------------------------------
+
+
+def _int(lo: int, hi: Optional[int] = None) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < lo or (hi is not None and value >= hi):
+            bound = f">= {lo}" if hi is None else f"in [{lo}, {hi})"
+            raise argparse.ArgumentTypeError(f"must be an integer {bound}, got {value}")
+        return value
+
+    return parse
+
+
+def _float(lo: float, hi: float = math.inf, lo_open: bool = False) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (math.isfinite(value) and (value > lo if lo_open else value >= lo) and value <= hi):
+            bound = f"in ({lo:g}, {hi:g}]" if hi < math.inf else (f"> {lo:g}" if lo_open else f">= {lo:g}")
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
+        return value
+
+    return parse
+
+
+def _device(name: Optional[str]):
+    """The torch.device for ``--device`` (default: cuda when available, else cpu), checked to exist."""
+    import torch
+
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        raise CLIError(f"--device {name!r} is not a device ({err})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CLIError(f"--device {name}: this machine has no CUDA device (torch {torch.__version__})")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise CLIError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
 
 
 # -- generate -------------------------------------------------------------------------------------------------------
 
 
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate text from a local Hugging Face model, speculatively",
+    p = sub.add_parser("generate", help="generate text from a local Hugging Face or GGUF model, speculatively",
                        description="Stream a continuation of --prompt-file to stdout; stats go to stderr.")
-    p.add_argument("--target", required=True, help="local directory of the target model and tokenizer")
+    p.add_argument("--target", required=True,
+                   help="the target model: a local Hugging Face directory, or a .gguf file (needs gguf, accelerate)")
     draft = p.add_mutually_exclusive_group()
-    draft.add_argument("--draft", help="local directory of a LongSpec draft trained for the target")
+    draft.add_argument("--draft", help="a LongSpec draft trained for the target (a checkpoint or a training run dir)")
     draft.add_argument("--drafter", choices=("pld", "streaming", "none"), default=None,
                        help="built-in drafter when --draft is not given (default: pld)")
-    p.add_argument("--prompt-file", required=True, help="text file holding the prompt ('-' reads stdin)")
+    p.add_argument("--prompt-file", required=True, help="UTF-8 text file holding the prompt ('-' reads stdin)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None, help="seed-exact sampling (same tokens as plain decoding)")
-    p.add_argument("--tree-shape", type=int, nargs="+", default=None,
+    p.add_argument("--max-new-tokens", type=_int(1), default=256)
+    p.add_argument("--temperature", type=_float(0.0), default=0.0, help="0 is greedy")
+    p.add_argument("--top-k", type=_int(0), default=0, help="0 disables")
+    p.add_argument("--top-p", type=_float(0.0, 1.0, lo_open=True), default=1.0, help="1 disables")
+    p.add_argument("--seed", type=_int(0, 2**64), default=None,
+                   help="seed-exact sampling (speculative output = plain decoding's, token for token)")
+    p.add_argument("--tree-shape", type=_int(1), nargs="+", default=None,
                    help="nodes per depth (default: 4 16 16 16 16 with --draft, else 1 1 1 1 1)")
-    p.add_argument("--dtype", choices=tuple(_DTYPES), default="bfloat16")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--cuda-graphs", action="store_true", help="capture the target forwards as CUDA graphs")
-    p.add_argument("--max-cache-len", type=int, default=None, help="refuse requests needing more cache rows")
-    p.add_argument("--sink", type=int, default=32, help="streaming drafter: attention-sink rows")
-    p.add_argument("--window", type=int, default=1024, help="streaming drafter: recent-window rows")
-    p.add_argument("--max-ngram", type=int, default=3, help="pld drafter: longest n-gram matched")
+    p.add_argument("--max-cache-len", type=_int(1), default=None, help="refuse requests needing more cache rows")
+    p.add_argument("--sink", type=_int(0), default=32, help="streaming drafter: attention-sink rows")
+    p.add_argument("--window", type=_int(1), default=1024, help="streaming drafter: recent-window rows")
+    p.add_argument("--max-ngram", type=_int(1), default=3, help="pld drafter: longest n-gram matched")
     p.set_defaults(run=run_generate)
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from longspec import SpeculativeDecoder
+    target_files = check_target(args.target)
+    draft_path = check_draft(args.draft, target_files) if args.draft else None
+    text = read_prompt(args.prompt_file)
 
-    tokenizer, model = _load_target(args.target, _DTYPES[args.dtype], args.device)
-    prompt_ids = _encode_prompt(tokenizer, _read_prompt(args.prompt_file), args.chat).to(args.device)
-    drafter = _build_drafter(args, model)
+    import torch
+
+    from longspec import SpeculativeDecoder
+    from longspec.model.target import check_generation_length
+
+    device = _device(args.device)
+    tokenizer, config = _load_tokenizer_and_config(target_files)
+    _check_model_type(config, args.target)
+    prompt_ids = _encode_prompt(tokenizer, text, args.chat)
+    try:
+        check_generation_length(argparse.Namespace(config=config), prompt_ids.shape[1] + args.max_new_tokens)
+    except ValueError as err:
+        raise CLIError(f"the prompt is {prompt_ids.shape[1]} tokens and --max-new-tokens {args.max_new_tokens}: "
+                       f"{err}") from None
+    model = _load_model(target_files, config, getattr(torch, args.dtype), device)
+    drafter = _build_drafter(args, model, draft_path)
     tree_shape = args.tree_shape or ((4, 16, 16, 16, 16) if args.draft else (1, 1, 1, 1, 1))
     decoder = SpeculativeDecoder(model, drafter, tree_shape=tree_shape, cuda_graphs=args.cuda_graphs,
                                  max_cache_len=args.max_cache_len)
-    out = decoder.generate(prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, streamer=_TextStreamer(tokenizer))
+    scratch = decoder.tree.num_nodes if drafter is not None else 1
+    _check_cache_fits(model, prompt_ids.shape[1] + args.max_new_tokens + scratch, args.max_cache_len, device)
+    streamer = _TextStreamer(tokenizer)
+    out = decoder.generate(prompt_ids.to(device), max_new_tokens=args.max_new_tokens,
+                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                           streamer=streamer)
     print(flush=True)
+    _report_stop(out.sequences[0, prompt_ids.shape[1]:].tolist(), args.max_new_tokens, tokenizer, streamer.printed > 0)
     print(out.stats.summary(), file=sys.stderr)
     return 0
 
 
-def _load_target(path: str, dtype: torch.dtype, device: str):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _load_tokenizer_and_config(files: TargetFiles):
+    from transformers import AutoConfig, AutoTokenizer
 
-    if not Path(path).is_dir():
-        raise CLIError(f"--target {path!r} is not a directory")
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device).eval()
-    return tokenizer, model
-
-
-def _read_prompt(path: str) -> str:
-    if path == "-":
-        return sys.stdin.read()
+    kwargs = dict(local_files_only=True, **files.from_pretrained_kwargs())
     try:
-        return Path(path).read_text(encoding="utf-8")
-    except OSError as err:
-        raise CLIError(f"cannot read --prompt-file {path!r}: {err.strerror}") from err
+        tokenizer = AutoTokenizer.from_pretrained(files.directory, **kwargs)
+        config = AutoConfig.from_pretrained(files.directory, **kwargs)
+    except (OSError, ValueError, KeyError, ImportError) as err:
+        raise CLIError(f"cannot load the tokenizer and config of --target {str(files.directory)!r}: "
+                       f"{_first_line(err)}") from None
+    return tokenizer, config
 
 
-def _encode_prompt(tokenizer, text: str, chat: bool) -> torch.Tensor:
+def _check_model_type(config, arg: str) -> None:
+    from longspec.model.target import SUPPORTED_MODEL_TYPES
+
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise CLIError(f"--target {arg!r} is a {model_type} model; longspec decodes "
+                       f"{', '.join(SUPPORTED_MODEL_TYPES)} models")
+
+
+def _load_model(files: TargetFiles, config, dtype, device):
+    """The target's weights, once every check that needs no weights has passed (``config`` is passed on: a GGUF
+    file is then parsed once more for its tensors, not twice)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(files.directory, config=config, dtype=dtype,
+                                                     local_files_only=True, **files.from_pretrained_kwargs())
+    except Exception as err:  # noqa: BLE001  (safetensors, OSError, ValueError...: all mean "these weights")
+        raise CLIError(f"cannot load the weights of --target {str(files.directory)!r}: {_first_line(err)}") from None
+    return model.to(device).eval()
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"
+
+
+def _encode_prompt(tokenizer, text: str, chat: bool):
     if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise CLIError("--chat: the target's tokenizer has no chat template")
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                             return_tensors="pt", return_dict=True)["input_ids"]
     else:
@@ -113,11 +219,11 @@ def _encode_prompt(tokenizer, text: str, chat: bool) -> torch.Tensor:
     return ids
 
 
-def _build_drafter(args: argparse.Namespace, model):
-    from longspec import PromptLookupDrafter, StreamingSelfDrafter
+def _build_drafter(args: argparse.Namespace, model, draft_path: Optional[Path]):
+    from longspec import LongSpecDraft, LongSpecDrafter, PromptLookupDrafter, StreamingSelfDrafter
 
-    if args.draft:
-        return _load_longspec_drafter(args.draft, model)
+    if draft_path is not None:  # from_pretrained checks the geometry and every tensor against the target
+        return LongSpecDrafter(LongSpecDraft.from_pretrained(draft_path, target=model))
     builders: dict[str, Callable[[], object]] = {
         "pld": lambda: PromptLookupDrafter(max_ngram=args.max_ngram),
         "streaming": lambda: StreamingSelfDrafter(sink=args.sink, window=args.window),
@@ -126,18 +232,31 @@ def _build_drafter(args: argparse.Namespace, model):
     return builders[args.drafter or "pld"]()
 
 
-def _load_longspec_drafter(path: str, model):
-    """``longspec.LongSpecDrafter(longspec.LongSpecDraft.from_pretrained(path, target=model))``, checked."""
-    try:
-        from longspec import LongSpecDraft, LongSpecDrafter
-    except ImportError as err:
-        raise CLIError(f"--draft needs longspec.LongSpecDraft and longspec.LongSpecDrafter, unavailable here ({err})") from err
-    draft = LongSpecDraft.from_pretrained(path, target=model)
-    draft_vocab = getattr(getattr(draft, "config", None), "vocab_size", None)
-    target_vocab = model.config.vocab_size
-    if draft_vocab is not None and draft_vocab != target_vocab:
-        raise CLIError(f"the draft's vocabulary ({draft_vocab} tokens, {path}) differs from the target's ({target_vocab})")
-    return LongSpecDrafter(draft)
+def _check_cache_fits(model, rows: int, max_cache_len: Optional[int], device) -> None:
+    """Refuse, before allocating it, a KV cache larger than the memory ``device`` has free."""
+    from longspec.model.target import head_dim, num_kv_heads
+
+    rows = -(-rows // 256) * 256  # the decoder rounds its cache up to a multiple of 256 rows
+    if max_cache_len is not None:
+        rows = min(rows, max_cache_len)
+    config = model.config
+    need = config.num_hidden_layers * 2 * rows * num_kv_heads(config) * head_dim(config) * model.dtype.itemsize
+    free = available_memory(device)
+    if free is not None and need > free:
+        raise CLIError(f"the KV cache ({rows} rows x {config.num_hidden_layers} layers) needs {need / 2**20:.1f} "
+                       f"MiB, more than the {free / 2**20:.1f} MiB free on {device}: lower --max-new-tokens or "
+                       "shorten the prompt")
+
+
+def _report_stop(generated: list[int], max_new_tokens: int, tokenizer, printed: bool) -> None:
+    """Say on stderr when generation ended at end-of-text rather than at --max-new-tokens."""
+    if len(generated) >= max_new_tokens:
+        return
+    n = len(generated)
+    note = ": the first token ended the text, so nothing was printed" if not printed else ""
+    print(f"longspec: generation stopped at end-of-text ({tokenizer.convert_ids_to_tokens(generated[-1])!r}, "
+          f"id {generated[-1]}) after {n} token{'s' if n != 1 else ''} of --max-new-tokens {max_new_tokens}{note}",
+          file=sys.stderr)
 
 
 class _TextStreamer:
@@ -148,7 +267,7 @@ class _TextStreamer:
         self.ids: list[int] = []
         self.printed = 0
 
-    def __call__(self, tokens: torch.Tensor, counts: torch.Tensor) -> None:
+    def __call__(self, tokens, counts) -> None:
         self.ids.extend(tokens[0, : int(counts[0])].tolist())
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         sys.stdout.write(text[self.printed:])
@@ -161,58 +280,104 @@ class _TextStreamer:
 
 def add_train_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a LongSpec draft for a local target (torchrun for several GPUs)",
-                       description="Train a LongSpec draft; checkpoints load with LongSpecDraft.from_pretrained. "
-                                   "Launch with torchrun --nproc-per-node K for K ranks.")
+                       description="Train a LongSpec draft; checkpoints load with LongSpecDraft.from_pretrained "
+                                   "(the --out directory stands for its latest one). Launch with torchrun "
+                                   "--nproc-per-node K for K ranks.")
     p.add_argument("--target", required=True, help="local directory of the target model and tokenizer")
     p.add_argument("--data", required=True, nargs="+", help="jsonl / text / parquet files or globs (hf:NAME too)")
     p.add_argument("--field", default="text", help="text field of jsonl records / parquet columns")
     p.add_argument("--out", required=True, help="output directory (checkpoints, log.jsonl); resumed if present")
     p.add_argument("--draft-init", default=None, help="start from this draft checkpoint instead of a fresh one")
-    p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--batch-size", type=int, default=1, help="sequences per rank per micro-batch")
-    p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--kl-weight", type=float, default=0.0, help="weight of KL(target || draft) added to the CE")
-    p.add_argument("--draft-vocab-size", type=int, default=0,
+    p.add_argument("--seq-len", type=_int(2), default=1024)
+    p.add_argument("--steps", type=_int(1), default=1000)
+    p.add_argument("--batch-size", type=_int(1), default=1, help="sequences per rank per micro-batch")
+    p.add_argument("--grad-accum", type=_int(1), default=1)
+    p.add_argument("--lr", type=_float(0.0, lo_open=True), default=5e-4)
+    p.add_argument("--kl-weight", type=_float(0.0), default=0.0, help="weight of KL(target || draft) added to the CE")
+    p.add_argument("--draft-vocab-size", type=_int(0), default=0,
                    help="checkpoints carry the N most frequent training tokens as the draft's reduced vocabulary")
-    p.add_argument("--delta-max", type=int, default=5, help="flash noisy: largest lag of the target K/V")
+    p.add_argument("--delta-max", type=_int(1), default=5, help="flash noisy: largest lag of the target K/V")
     p.add_argument("--no-anchor-offset", action="store_true", help="plain positions (ablation)")
     p.add_argument("--no-flash-noisy", action="store_true", help="always lag 1 (ablation)")
-    p.add_argument("--parallel", choices=("none", "ddp", "fsdp"), default="ddp")
-    p.add_argument("--dtype", choices=tuple(_DTYPES), default="bfloat16", help="target weights' dtype on CUDA")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--save-every", type=int, default=200)
-    p.add_argument("--log-every", type=int, default=10, help="steps between log.jsonl rows")
+    p.add_argument("--parallel", choices=("none", "ddp", "fsdp"), default=None,
+                   help="default: ddp under a multi-process launch (torchrun), none in a single process")
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="target weights' dtype on CUDA")
+    p.add_argument("--seed", type=_int(0), default=0)
+    p.add_argument("--save-every", type=_int(1), default=200)
+    p.add_argument("--log-every", type=_int(1), default=10, help="steps between log.jsonl rows")
     p.add_argument("--tensorboard", action="store_true")
     p.set_defaults(run=run_train)
 
 
+def launch_parallel(requested: Optional[str], world_size: int) -> str:
+    """The parallel mode: what the launch implies (ddp under torchrun with several ranks, else none), or the one
+    requested when it fits the launch."""
+    if requested is None:
+        return "ddp" if world_size > 1 else "none"
+    if requested != "none" and world_size == 1:
+        raise CLIError(f"--parallel {requested} needs several processes: launch with torchrun --nproc-per-node K "
+                       "(K > 1), or leave --parallel out")
+    if requested == "none" and world_size > 1:
+        raise CLIError(f"--parallel none under a {world_size}-process launch would train {world_size} separate "
+                       "drafts into one --out: use ddp or fsdp")
+    return requested
+
+
 def run_train(args: argparse.Namespace) -> int:
+    parallel = launch_parallel(args.parallel, int(os.environ.get("WORLD_SIZE", "1")))
+    target_files = check_target(args.target)
+    for pattern in args.data:
+        if not pattern.startswith("hf:") and not any(os.path.isfile(m) for m in glob.glob(pattern, recursive=True)):
+            raise CLIError(f"--data {pattern!r} matches no file")
+    if args.draft_init:
+        check_draft(args.draft_init, target_files, "--draft-init")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise CLIError(f"--out {args.out!r} is a file, not a directory")
+    done = _finished_step(args.out)
+    if done is not None and done >= args.steps:
+        print(f"longspec: {args.out} already holds a run trained to step {done} (--steps {args.steps}): nothing to "
+              "do; raise --steps to train further", file=sys.stderr)
+        return 0
+
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from longspec import LongSpecDraft
     from longspec.train import DataConfig, Parallel, TrainConfig, train
 
-    if not Path(args.target).is_dir():
-        raise CLIError(f"--target {args.target!r} is not a directory")
-    tokenizer = AutoTokenizer.from_pretrained(args.target, local_files_only=True)
-    dtype = _DTYPES[args.dtype] if torch.cuda.is_available() else torch.float32
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype, local_files_only=True)
+    kwargs = dict(local_files_only=True, **target_files.from_pretrained_kwargs())
+    tokenizer = AutoTokenizer.from_pretrained(target_files.directory, **kwargs)
+    dtype = getattr(torch, args.dtype) if torch.cuda.is_available() else torch.float32
+    target = AutoModelForCausalLM.from_pretrained(target_files.directory, dtype=dtype, **kwargs)
     draft = None
     if args.draft_init:
-        from longspec import LongSpecDraft
-
         draft = LongSpecDraft.from_pretrained(args.draft_init, target=target, dtype=torch.float32)
     cfg = TrainConfig(data=DataConfig(paths=args.data, field=args.field, seq_len=args.seq_len), out_dir=args.out,
                       steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
                       kl_weight=args.kl_weight, draft_vocab_size=args.draft_vocab_size,
                       delta_max=args.delta_max, anchor_offset=not args.no_anchor_offset,
-                      flash_noisy=not args.no_flash_noisy, parallel=Parallel(args.parallel), seed=args.seed,
+                      flash_noisy=not args.no_flash_noisy, parallel=Parallel(parallel), seed=args.seed,
                       save_every=args.save_every, log_every=args.log_every, tensorboard=args.tensorboard)
-    history = train(cfg, target, tokenizer, draft=draft)
-    last = history[-1] if history else {}
-    print(f"trained to step {last.get('step', 0)}: loss {last.get('loss', float('nan')):.4f}", file=sys.stderr)
+    try:
+        history = train(cfg, target, tokenizer, draft=draft)
+    except KeyError as err:  # a data record without --field (the message names the file and line)
+        raise CLIError(err.args[0] if err.args else repr(err)) from None
+    if not history:  # the run reached --steps between the check above and the resume (another process)
+        print(f"longspec: {args.out} already holds a run trained to --steps {args.steps}: nothing to do",
+              file=sys.stderr)
+        return 0
+    last = history[-1]
+    print(f"trained to step {last['step']}: loss {last['loss']:.4f} (checkpoints in {args.out})", file=sys.stderr)
     return 0
+
+
+def _finished_step(out: str) -> Optional[int]:
+    """The step of the run's latest checkpoint in ``out``, or None when there is none."""
+    try:
+        ckpt = latest_checkpoint(out) if os.path.isdir(out) else None
+        return None if ckpt is None else checkpoint_step(ckpt)
+    except (FileNotFoundError, ValueError) as err:
+        raise CLIError(f"--out {out!r}: {err}") from None
 
 
 # -- demo -----------------------------------------------------------------------------------------------------------
@@ -220,33 +385,23 @@ def run_train(args: argparse.Namespace) -> int:
 
 def add_demo_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="the shipped trained pair on a held-out long code prompt: plain vs speculative")
-    p.add_argument("--context", type=int, default=4096, help="prompt tokens (default 4096)")
-    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--context", type=_int(64), default=4096, help="prompt tokens (default 4096)")
+    p.add_argument("--new-tokens", type=_int(1), default=128)
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="bfloat16 is faster on a GPU, but outputs may then part at near-ties of the target's logits")
-    p.add_argument("--seed", type=int, default=0, help="which held-out prompt")
+    p.add_argument("--seed", type=_int(0), default=None, help="which held-out prompt (default: the demo's own)")
     p.set_defaults(run=run_demo)
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from longspec.demo import run_demo as demo
+    from transformers.utils import logging as hf_logging
 
-    if args.context < 64 or args.new_tokens < 1:
-        raise CLIError(f"--context must be >= 64 and --new-tokens >= 1, got {args.context} and {args.new_tokens}")
-    if args.device is not None and args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise CLIError(f"--device {args.device}: this machine has no CUDA device (torch {torch.__version__})")
-    r = demo(args.context, args.new_tokens, args.device, getattr(torch, args.dtype), args.seed)
-    print(f"longspec demo: the shipped code pair (target 15.7M parameters + LongSpec draft), {r.device} {r.dtype}")
-    print(f"prompt: {r.context} tokens of held-out package {r.package!r} from this machine's standard library; "
-          f"{r.new_tokens} new tokens, greedy")
-    base = r.results[0].tokens_per_s
-    print(f"{'method':36s} {'tau':>5s} {'tokens/s':>9s} {'speedup':>8s}  identical to plain")
-    for x in r.results:
-        same = "yes" if x.identical else f"NO (from token {x.first_difference})"
-        print(f"{x.method:36s} {x.tau:5.2f} {x.tokens_per_s:9.1f} {x.tokens_per_s / base:7.2f}x  {same}")
-    print("continuation (plain decoding):\n" + r.continuation)
-    return 0 if all(x.identical for x in r.results) else 1
+    from longspec.demo import print_demo
+
+    device = _device(args.device)
+    hf_logging.disable_progress_bar()  # the demo prints its own progress, a line per step
+    return print_demo(args.context, args.new_tokens, device, args.dtype, args.seed)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """``longspec demo``: the shipped trained pair decodes a held-out long code prompt plainly, with prompt lookup and
-with the LongSpec draft; it prints tau, tokens/s and whether each output is identical to plain decoding.
+with the LongSpec draft; it prints tau, decode tokens/s, end-to-end time and whether each output is identical to
+plain decoding, one line per method as each finishes.
 
 The pair (:mod:`longspec.pretrained`) was trained on Python source split by package; the prompt is built from a
 held-out package of this machine's standard library, so the model never saw it in training. float32 by default,
@@ -11,19 +12,26 @@ target's top two logits (nearly) tie.
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
+from typing import Callable, Optional, TextIO
 
 import torch
 
 TREE = (4, 16, 16, 16, 16)
+# The default held-out prompt: seed 21 of heldout_stdlib_prompt, which (on CPython 3.11's standard library) ends in
+# CPython's test/test_scope.py after other files of its package; the pair continues it with code that reads like
+# code. Seed 0 ends in a test-data file of the same package, where greedy decoding repeats one line (`c = b'A'`).
+DEFAULT_SEED = 21
 
 
 @dataclass
 class DemoResult:
     method: str
     tau: float
-    tokens_per_s: float
+    tokens_per_s: float  # generated tokens per second of decoding (prefill excluded)
+    end_to_end_s: float  # the whole generate call: prefill, drafter prefill and decoding
     identical: bool
     first_difference: int | None  # generated-token index where the output leaves plain decoding's
 
@@ -39,17 +47,23 @@ class DemoReport:
     continuation: str  # plain decoding's generated text
 
 
-def run_demo(context: int = 4096, new_tokens: int = 128, device: str | None = None,
-             dtype: torch.dtype = torch.float32, seed: int = 0) -> DemoReport:
+def run_demo(context: int = 4096, new_tokens: int = 128, device: str | torch.device | None = None,
+             dtype: torch.dtype = torch.float32, seed: Optional[int] = None,
+             on_prompt: Optional[Callable[[str, int], None]] = None,
+             on_result: Optional[Callable[[DemoResult], None]] = None) -> DemoReport:
+    """Decode one held-out prompt with every method. ``on_prompt(package, context)`` is called once the prompt is
+    built and ``on_result(result)`` as each method finishes (the command prints from them)."""
     from longspec import LongSpecDrafter, PromptLookupDrafter, SpeculativeDecoder
     from longspec.pretrained import heldout_stdlib_prompt, load_code_pair
     from longspec.testing import first_difference
 
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     pair = load_code_pair(device, dtype)
-    ids, package = heldout_stdlib_prompt(pair.tokenizer, context, seed=seed)
+    ids, package = heldout_stdlib_prompt(pair.tokenizer, context, seed=DEFAULT_SEED if seed is None else seed)
     ids = ids.to(device)
-    cuda = device.startswith("cuda")
+    if on_prompt is not None:
+        on_prompt(package, ids.shape[1])
+    cuda = device.type == "cuda"
     methods = {
         "plain decoding (same kernels)": (None, (1,)),
         "prompt lookup, chain of 6": (PromptLookupDrafter(), (1,) * 6),
@@ -66,10 +80,46 @@ def run_demo(context: int = 4096, new_tokens: int = 128, device: str | None = No
         out = dec.generate(ids, new_tokens, eos_token_id=[])
         if cuda:
             torch.cuda.synchronize()
-        decode_s = time.perf_counter() - t0 - out.stats.time_prefill
+        total_s = time.perf_counter() - t0
+        decode_s = total_s - out.stats.time_prefill
         generated = out.sequences[:, ids.shape[1]:]
         reference = generated if reference is None else reference
         diff = first_difference(generated, reference)
-        results.append(DemoResult(name, out.stats.tau, out.stats.generated_tokens / decode_s, diff is None, diff))
+        result = DemoResult(name, out.stats.tau, out.stats.generated_tokens / decode_s, total_s, diff is None, diff)
+        results.append(result)
+        if on_result is not None:
+            on_result(result)
     text = pair.tokenizer.decode(reference[0])
-    return DemoReport(package, context, new_tokens, device, str(dtype).removeprefix("torch."), results, text)
+    return DemoReport(package, context, new_tokens, str(device), str(dtype).removeprefix("torch."), results, text)
+
+
+_ROW = "{:36s} {:>5s} {:>13s} {:>8s} {:>13s}  {}"
+
+
+def print_demo(context: int, new_tokens: int, device: torch.device, dtype: str, seed: Optional[int] = None,
+               out: Optional[TextIO] = None) -> int:
+    """Run the demo and print it (to ``out``, default stdout) as it goes; 0 when every output equals plain
+    decoding's, else 1."""
+    def say(line: str) -> None:
+        print(line, file=out or sys.stdout, flush=True)
+
+    say(f"longspec demo: the shipped code pair (target 15.7M parameters + LongSpec draft), {device} {dtype}; "
+        "loading it and building the prompt")
+    base: dict[str, float] = {}  # plain decoding's tokens/s, the first row
+
+    def on_prompt(package: str, n: int) -> None:
+        say(f"prompt: {n} tokens of held-out package {package!r} from this machine's standard library; "
+            f"{new_tokens} new tokens, greedy")
+        say(_ROW.format("method", "tau", "decode tok/s", "speedup", "end-to-end s", "identical to plain"))
+
+    def on_result(r: DemoResult) -> None:
+        plain = base.setdefault("tokens_per_s", r.tokens_per_s)
+        same = "yes" if r.identical else f"NO (from token {r.first_difference})"
+        say(_ROW.format(r.method, f"{r.tau:.2f}", f"{r.tokens_per_s:.1f}", f"{r.tokens_per_s / plain:.2f}x",
+                        f"{r.end_to_end_s:.1f}", same))
+
+    report = run_demo(context, new_tokens, device, getattr(torch, dtype), seed, on_prompt, on_result)
+    say("end-to-end s: the whole generate call; decode tok/s: tokens per second after the target's prefill (a "
+        "LongSpec draft's own prefill counts as decoding)")
+    say("continuation (plain decoding):\n" + report.continuation)
+    return 0 if all(r.identical for r in report.results) else 1

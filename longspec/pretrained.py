@@ -6,19 +6,34 @@ tokenizer (vocab 8192), and its LongSpec draft, both in bfloat16 (36 MB in all).
 made them (``pair.json`` beside the weights summarises the run). The split into training and held-out packages is
 by package name (:func:`longspec.train.corpus.is_heldout`), so held-out prompts can be rebuilt on any machine from
 the held-out packages of its own standard library (:func:`heldout_stdlib_prompt`).
+
+Where the pair is after any install (a clone or site-packages): :func:`pair_path`, or from a shell
+``python -m longspec.pretrained target`` (``draft``, or nothing for the pair's directory), e.g.
+``longspec generate --target "$(python -m longspec.pretrained target)" --draft "$(python -m longspec.pretrained
+draft)" --prompt-file F``.
 """
 from __future__ import annotations
 
 import json
+import sys
 import sysconfig
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 PAIR_DIR = Path(__file__).parent / "assets" / "code-pair"
+PARTS = ("target", "draft")
+
+
+def pair_path(part: Optional[str] = None) -> Path:
+    """The installed pair's directory, or its ``"target"`` / ``"draft"`` subdirectory (absolute paths)."""
+    if part is not None and part not in PARTS:
+        raise ValueError(f"part must be None, 'target' or 'draft', got {part!r}")
+    return (PAIR_DIR / part if part else PAIR_DIR).resolve()
 
 
 @dataclass
@@ -29,9 +44,11 @@ class CodePair:
     info: dict  # pair.json: how the pair was trained
 
 
-def load_code_pair(device: Optional[str | torch.device] = None, dtype: torch.dtype = torch.float32,
+def load_code_pair(device: Optional[str | torch.device] = None, dtype: Optional[torch.dtype] = None,
                    path: str | Path = PAIR_DIR) -> CodePair:
-    """Load the shipped pair on ``device`` (default: cuda when available, else cpu) in ``dtype``."""
+    """Load the shipped pair on ``device`` (default: cuda when available, else cpu) in ``dtype`` (default
+    float32)."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from longspec.model.draft import LongSpecDraft
@@ -41,7 +58,7 @@ def load_code_pair(device: Optional[str | torch.device] = None, dtype: torch.dty
         raise FileNotFoundError(f"no trained pair at {path} (expected target/ and draft/ from the recipe's export)")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tokenizer = AutoTokenizer.from_pretrained(path / "target")
-    target = AutoModelForCausalLM.from_pretrained(path / "target", dtype=dtype).to(device).eval()
+    target = AutoModelForCausalLM.from_pretrained(path / "target", dtype=dtype or torch.float32).to(device).eval()
     draft = LongSpecDraft.from_pretrained(path / "draft", target=target)
     info = json.loads((path / "pair.json").read_text())
     return CodePair(target, tokenizer, draft, info)
@@ -61,3 +78,9 @@ def heldout_stdlib_prompt(tokenizer, context: int, seed: int = 0, heldout_frac: 
         corpus = build_corpus(tmp, roots=[root], heldout_frac=heldout_frac, splits=("heldout",))
         prompts, packages = heldout_prompts(corpus.heldout_jsonl, tokenizer, context, n=1, seed=seed)
     return prompts[0], packages[0]
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 or (len(sys.argv) == 2 and sys.argv[1] not in PARTS):
+        sys.exit(f"usage: python -m longspec.pretrained [{' | '.join(PARTS)}]  (prints the shipped pair's path)")
+    print(pair_path(sys.argv[1] if len(sys.argv) == 2 else None))

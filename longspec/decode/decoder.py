@@ -87,9 +87,16 @@ class DecodeStats:
     time_verify: float = 0.0
     time_other: float = 0.0
 
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second of the whole call (prefill included)."""
+        total = self.time_prefill + self.time_draft + self.time_verify + self.time_other
+        return self.generated_tokens / total if total > 0 else 0.0
+
     def summary(self) -> str:
         return (
             f"rounds={self.rounds} tokens={self.generated_tokens} tau={self.tau:.2f} "
+            f"tokens/s={self.tokens_per_s:.1f} "
             f"prefill={self.time_prefill:.3f}s draft={self.time_draft:.3f}s verify={self.time_verify:.3f}s "
             f"other={self.time_other:.3f}s"
         )
@@ -309,7 +316,7 @@ class SpeculativeDecoder:
         """
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        params = SamplingParams(float(temperature), top_k, float(top_p), seed)
+        params = SamplingParams(temperature, top_k, top_p, seed)  # validates each, naming it
         device = self.target.get_output_embeddings().weight.device
         prompt = _prepare_prompt(input_ids, attention_mask, device)
         total = prompt.max_len + max_new_tokens

@@ -37,6 +37,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, rot
 
 import longspec_ops  # noqa: F401  (registers torch.ops.longspec)
 from longspec.model.target import head_dim, num_kv_heads
+from longspec.runs import resolve_checkpoint
 
 # The 20 tensors of a published checkpoint; every one is a parameter of LongSpecDraft under the same name.
 PUBLISHED_TENSOR_NAMES: tuple[str, ...] = tuple(
@@ -484,7 +485,8 @@ class LongSpecDraft(PreTrainedModel):
         """Load a draft checkpoint for ``target``.
 
         ``pretrained_model_name_or_path`` is a directory (a published draft: the target-style ``config.json`` plus
-        safetensors or ``.bin``/``.pth`` weights; or what :meth:`save_pretrained` wrote), a single weights file
+        safetensors or ``.bin``/``.pth`` weights; what :meth:`save_pretrained` wrote; or a ``longspec train`` run
+        directory, which stands for the checkpoint its ``latest`` pointer names), a single weights file
         (``.safetensors``, or a raw ``.pth``/``.pt``/``.bin`` state dict, read with ``weights_only=True``), or a Hub
         repository id. Tensor names carry no prefix or a ``model.`` prefix. Without a ``config.json`` the geometry
         is the target's. dtype and device default to the target's.
@@ -574,7 +576,7 @@ def _resolve(name_or_path: str | os.PathLike) -> Path:
     """A local path as is; otherwise a Hub repository id, fetched with huggingface_hub (config and weights only)."""
     path = Path(name_or_path)
     if path.exists():
-        return path
+        return resolve_checkpoint(path)  # a training run directory stands for its latest checkpoint
     if os.path.isabs(str(name_or_path)) or str(name_or_path).count("/") != 1:
         raise FileNotFoundError(f"no draft checkpoint at {name_or_path}")
     from huggingface_hub import snapshot_download

@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from longspec.runs import LATEST, latest_checkpoint
+
 from .data import DataConfig, PackedStream, Prefetch, batches
 from .objective import prepare_target, step_loss
 from .positions import anchor_offset_positions
@@ -187,19 +189,14 @@ def save_checkpoint(path: Path, draft, model, optimizer, scheduler, rng: torch.G
             save_draft_vocab(path, frequent_tokens(total, counts.size))
         torch.save({"optimizer": optim_sd, "scheduler": scheduler.state_dict(), "rng": rng.get_state(),
                     "step": step, "world": d.world, "token_counts": total}, path / "trainer_state.pt")
-        (path.parent / "latest").write_text(path.name)
+        (path.parent / LATEST).write_text(path.name)
     if d.world > 1:
         dist.barrier()
 
 
-def _latest(out_dir: Path) -> Path | None:
-    pointer = out_dir / "latest"
-    return out_dir / pointer.read_text().strip() if pointer.exists() else None
-
-
 def _resume(out_dir: Path, draft_cls, target, model, optimizer, scheduler, rng, d: _Dist,
             counts: TokenCounts) -> int:
-    ckpt = _latest(out_dir)
+    ckpt = latest_checkpoint(out_dir)
     if ckpt is None:
         return 0
     state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=True)
@@ -215,9 +212,18 @@ def _resume(out_dir: Path, draft_cls, target, model, optimizer, scheduler, rng, 
 
 
 class _Logger:
-    def __init__(self, out_dir: Path, cfg: TrainConfig, d: _Dist):
+    """``log.jsonl`` (one row per logged step) and optionally TensorBoard. A resumed run first drops the rows past
+    its checkpoint (logged before an interruption, then computed again), so every step appears once."""
+
+    def __init__(self, out_dir: Path, cfg: TrainConfig, d: _Dist, resumed_step: int):
         self.main = d.main
-        self.file = open(out_dir / "log.jsonl", "a") if d.main else None
+        path = out_dir / "log.jsonl"
+        if d.main and path.exists():
+            rows = [line for line in path.read_text().splitlines() if line.strip()]
+            kept = [line for line in rows if json.loads(line)["step"] <= resumed_step]
+            if len(kept) != len(rows):
+                path.write_text("".join(line + "\n" for line in kept))
+        self.file = open(path, "a") if d.main else None
         self.tb = None
         if d.main and cfg.tensorboard:
             # UNTESTED: tensorboard is not installed in CI; the jsonl log is the tested record.
@@ -274,11 +280,17 @@ def _mean_across_ranks(x: float, d: _Dist) -> float:
     return float(t) / d.world
 
 
+def _json_value(x):
+    """train_config.json: enums by value (``"parallel": "ddp"``), anything else as its string."""
+    return x.value if isinstance(x, enum.Enum) else str(x)
+
+
 def train(cfg: TrainConfig, target, tokenizer, draft=None) -> list[dict]:
     """Train a LongSpec draft for ``target`` (a Hugging Face causal LM) and return the per-step log rows.
 
     ``draft`` defaults to ``LongSpecDraft.from_target(target)``; an existing checkpoint in ``cfg.out_dir`` (its
-    ``latest`` pointer) is resumed exactly. Launch with ``torchrun --nproc-per-node K`` for K ranks.
+    ``latest`` pointer) is resumed exactly, and a run already at ``cfg.steps`` returns no rows. Launch with
+    ``torchrun --nproc-per-node K`` for K ranks.
     """
     from tqdm.auto import tqdm
 
@@ -315,8 +327,8 @@ def train(cfg: TrainConfig, target, tokenizer, draft=None) -> list[dict]:
     max_pos = cfg.max_positions or target.config.max_position_embeddings
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if use_bf16 else _null()
     if d.main:
-        (out / "train_config.json").write_text(json.dumps(asdict(cfg), default=str, indent=1))
-    logger, history = _Logger(out, cfg, d), []
+        (out / "train_config.json").write_text(json.dumps(asdict(cfg), default=_json_value, indent=1))
+    logger, history = _Logger(out, cfg, d, step), []
     bar = tqdm(total=cfg.steps, initial=step, disable=not (d.main and cfg.progress), desc="train")
     try:
         while step < cfg.steps:

@@ -1,8 +1,8 @@
 """Pure-PyTorch references for the ``longspec`` attention ops.
 
 Each function here is at once the CPU kernel of its op, the test oracle for the GPU kernels and the
-benchmark baseline. They favour clarity over speed, accumulate in float32 (float64 inputs stay float64)
-and follow flash-attn's layout:
+benchmark baseline. They favour clarity over speed except where a CPU user waits on them (a long prefill runs
+through ``prefix_attn``), accumulate in float32 (float64 inputs stay float64) and follow flash-attn's layout:
 
     q        [B, M, Hq, D]      queries (M new tokens)
     k/v      [B, N, Hkv, D]     cache rows, rows [0, len) valid; or [B, M, Hkv, D] tree keys
@@ -21,9 +21,16 @@ def _acc_dtype(t: Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-# Queries are attended in blocks of this many rows, so the score tensor of a long prefill stays bounded
-# ([B, Hq, rows, N] at a time); every query row is independent, so blocking changes no result.
+# Mask-given attention goes in blocks of this many query rows, so the score tensor of a long query set stays
+# bounded ([B, Hq, rows, N] at a time); every query row is independent, so blocking changes no result.
 _QUERY_BLOCK = 1024
+
+# Length-masked attention (prefix_attn, the prefix half of hybrid_tree_attn) goes in blocks of this many query rows,
+# each over keys [0, longest length in the block) only: a causal prefill then computes about half the score matrix.
+# Measured for one layer of a 4096-token causal prefill (6/2 heads, D 64, float32, 2 quiet CPU cores): 0.42 s with
+# 128-row blocks, 0.45 s with 256, 0.52 s with 512, 0.59 s with 1024, and 3.3 s for the whole-mask formulation
+# (``masked_attention``) it replaced.
+_LENGTH_BLOCK = 256
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> tuple[Tensor, Tensor]:
@@ -34,6 +41,47 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> t
     parts = [_attend_block(q[:, i:i + _QUERY_BLOCK], k, v, visible[:, i:i + _QUERY_BLOCK], scale)
              for i in range(0, M, _QUERY_BLOCK)]
     return torch.cat([o for o, _ in parts], dim=1), torch.cat([lse for _, lse in parts], dim=2)
+
+
+def _attend_lengths(q: Tensor, k: Tensor, v: Tensor, lens: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Attention of q [B, M, Hq, D] where query i of row b sees rows [0, lens[b, i]) of k/v [B, N, Hkv, D].
+
+    The same softmax as :func:`_attend`, without a [B, M, N] mask: query blocks of ``_LENGTH_BLOCK`` rows read only
+    the keys below their longest length, and the scores are exponentiated in place. Rows at or past every length
+    of a batch row are never read into ``out`` (their V is zeroed, so even NaN there cannot leak). Returns out
+    [B, M, Hq, D] and lse [B, Hq, M] in the accumulation dtype; a query with length 0 gets out 0 and lse -inf.
+    """
+    B, M, Hq, D = q.shape
+    Hkv = k.shape[2]
+    G = Hq // Hkv
+    acc = _acc_dtype(q)
+    lens = lens.to(torch.int64)
+    out = torch.zeros(B, M, Hq, D, dtype=acc, device=q.device)
+    lse = torch.full((B, Hq, M), float("-inf"), dtype=acc, device=q.device)
+    held = lens.amax(dim=1) if M else lens.new_zeros(B)  # [B] rows any query of the batch row reads
+    for i in range(0, M, _LENGTH_BLOCK):
+        lb = lens[:, i:i + _LENGTH_BLOCK]  # [B, Q]
+        Q, n = lb.shape[1], int(lb.max())
+        if n == 0:
+            continue
+        cols = torch.arange(n, device=q.device)
+        kb = k[:, :n].to(acc).transpose(1, 2)  # [B, Hkv, n, D] views when k is already in acc
+        vb = v[:, :n].to(acc)
+        if int(held.min()) < n:  # some batch row holds fewer rows than this block reads
+            vb = vb.masked_fill((cols[None, :] >= held[:, None])[:, :, None, None], 0.0)
+        vb = vb.transpose(1, 2)
+        qb = q[:, i:i + Q].to(acc).reshape(B, Q, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * Q, D)
+        s = torch.matmul(qb, kb.transpose(2, 3)).mul_(scale).view(B, Hkv, G, Q, n)
+        s.masked_fill_((cols[None, None, :] >= lb[:, :, None])[:, None, None], float("-inf"))
+        m = s.amax(dim=-1, keepdim=True)
+        m = m.masked_fill(torch.isinf(m), 0.0)  # a query that sees nothing: exp(-inf - 0) = 0, l = 0
+        s.sub_(m).exp_()
+        l = s.sum(dim=-1, keepdim=True)  # [B, Hkv, G, Q, 1]
+        o = torch.matmul(s.view(B, Hkv, G * Q, n), vb).view(B, Hkv, G, Q, D)
+        o = torch.where(l > 0, o / l, 0.0)
+        out[:, i:i + Q] = o.permute(0, 3, 1, 2, 4).reshape(B, Q, Hq, D)
+        lse[:, :, i:i + Q] = (m + torch.log(l)).reshape(B, Hq, Q)
+    return out, lse
 
 
 def _attend_block(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> tuple[Tensor, Tensor]:
@@ -93,8 +141,9 @@ def prefix_visibility(kv_lens: Tensor, M: int, N: int) -> Tensor:
 
 def prefix_attn(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_lens: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """Non-causal attention of q [B, M, Hq, D] over cache rows [0, kv_lens) of k/v_cache [B, N, Hkv, D]."""
-    visible = prefix_visibility(kv_lens, q.shape[1], k_cache.shape[1])
-    return masked_attention(q, k_cache, v_cache, visible, scale)
+    lens = kv_lens if kv_lens.dim() == 2 else kv_lens[:, None].expand(-1, q.shape[1])
+    out, lse = _attend_lengths(q, k_cache, v_cache, lens, scale)
+    return out.to(q.dtype), lse.to(torch.float32)
 
 
 def tree_attn(q: Tensor, k: Tensor, v: Tensor, tree_mask: Tensor, scale: float) -> tuple[Tensor, Tensor]:
@@ -117,8 +166,7 @@ def hybrid_tree_attn(
     Computed as the GPU kernels do, prefix and tree parts merged by LSE, but both kept in the accumulation dtype
     until the end, so the merge rounds nothing (and the cache is never concatenated with the tree).
     """
-    M, N = q.shape[1], k_cache.shape[1]
-    out_p, lse_p = _attend(q, k_cache, v_cache, prefix_visibility(cache_seqlens, M, N), scale)
+    out_p, lse_p = _attend_lengths(q, k_cache, v_cache, cache_seqlens[:, None].expand(-1, q.shape[1]), scale)
     out_t, lse_t = _attend(q, k_tree, v_tree, tree_mask, scale)
     out, lse = _merge(out_p, lse_p, out_t, lse_t)
     return out.to(q.dtype), lse.to(torch.float32)

@@ -81,7 +81,7 @@ def test_prefix_matches_naive(per_query):
 
 def test_query_blocking_matches_naive(monkeypatch):
     """Long query sets are attended in row blocks (bounded memory); results equal the one-shot naive formula."""
-    monkeypatch.setattr(ref, "_QUERY_BLOCK", 4)
+    monkeypatch.setattr(ref, "_LENGTH_BLOCK", 4)
     B, M, N, Hq, Hkv, D = 2, 11, 30, 4, 2, 8
     q, kc, vc, _, _ = _qkv(B, M, N, Hq, Hkv, D, seed=9)
     lens = (torch.arange(M, dtype=torch.int32)[None] + torch.tensor([[5], [19]], dtype=torch.int32))  # causal-style

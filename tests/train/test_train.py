@@ -295,7 +295,7 @@ def _save_target_with_tokenizer(path):
 
 
 def test_cli_train_under_torchrun(tmp_path):
-    """The user path: ``torchrun --nproc-per-node 2 -m longspec.cli train ...`` (gloo on CPU), then resume."""
+    """The user path: ``torchrun --nproc-per-node 2 -m longspec.cli train ...`` (gloo on CPU)."""
     import subprocess
     import sys
 
@@ -303,13 +303,14 @@ def test_cli_train_under_torchrun(tmp_path):
     corpus = write_corpus(tmp_path / "corpus.jsonl")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
            "-m", "longspec.cli", "train", "--target", str(tmp_path / "target"), "--data", corpus,
-           "--out", str(tmp_path / "out"), "--seq-len", "64", "--steps", "2", "--save-every", "2",
-           "--parallel", "ddp"]
+           "--out", str(tmp_path / "out"), "--seq-len", "64", "--steps", "2", "--save-every", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "trained to step 2" in run.stderr
     assert (tmp_path / "out" / "checkpoint-2" / "model.safetensors").exists()
+    # no --parallel: a 2-process launch implies DDP
+    assert json.loads((tmp_path / "out" / "train_config.json").read_text())["parallel"] == "ddp"
 
 
 def test_scaling_harness_over_gloo(tmp_path):
