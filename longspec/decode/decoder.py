@@ -29,7 +29,6 @@ import dataclasses
 import enum
 import functools
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -49,10 +48,12 @@ from longspec.model.target import (
 )
 
 from .drafter import DecodeState, DraftTree, Drafter, TreeSpec
-from .graphs import CapturedCall, capture
+from .graphs import CapturedCall, CapturedDraft
+from .prompt import Prompt, eos_ids, output_sequences, pad_id, prepare_prompt
 from .sampling import SamplingParams, sample_tokens, seed_words
+from .stats import DecodeStats, PhaseTimer, accept_lengths, collect_stats
+from .tail import TAIL
 from .tree import prefix_tree_mask, tree_mask_from_parents, tree_positions
-from .verify import accept_tree, node_draws
 
 Streamer = Callable[[Tensor, Tensor], None]
 
@@ -69,37 +70,6 @@ class KVUpdate(enum.Enum):
 
     COMMIT = enum.auto()
     REFEED = enum.auto()
-
-
-@dataclass
-class DecodeStats:
-    """Per-generate counters. ``tau`` = mean tokens emitted per verify forward over active rows (prefill excluded).
-
-    Times are seconds of wall clock (CUDA events on GPU) around the phases: reporting, not a benchmark.
-    ``time_verify`` covers the target forward and the round's tail (acceptance, commit, state update).
-    """
-
-    rounds: int = 0
-    generated_tokens: int = 0
-    tau: float = 0.0
-    time_prefill: float = 0.0
-    time_draft: float = 0.0
-    time_verify: float = 0.0
-    time_other: float = 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Generated tokens per second of the whole call (prefill included)."""
-        total = self.time_prefill + self.time_draft + self.time_verify + self.time_other
-        return self.generated_tokens / total if total > 0 else 0.0
-
-    def summary(self) -> str:
-        return (
-            f"rounds={self.rounds} tokens={self.generated_tokens} tau={self.tau:.2f} "
-            f"tokens/s={self.tokens_per_s:.1f} "
-            f"prefill={self.time_prefill:.3f}s draft={self.time_draft:.3f}s verify={self.time_verify:.3f}s "
-            f"other={self.time_other:.3f}s"
-        )
 
 
 @dataclass
@@ -121,13 +91,6 @@ class GenerateOutput:
 
 
 @dataclass
-class _Prompt:
-    tokens: Tensor  # int64 [B, S] left-aligned, filler 0 after each row's end
-    lens: Tensor  # int64 [B]
-    max_len: int
-
-
-@dataclass
 class Run:
     """The mutable state of one generate call (static shapes; updated in place); :meth:`SpeculativeDecoder.step`
     advances it by one round."""
@@ -140,7 +103,7 @@ class Run:
     generator: Optional[torch.Generator]
     pending: Tensor  # int64 [B] (REFEED) rows [seqlens - pending, seqlens) held by the last layer only
     history: list[Tensor] = field(default_factory=list)  # per round: int64 [B] tokens emitted
-    draft_graph: Optional["_CudaGraphDraft"] = None  # the captured propose of this call (cuda_graphs only)
+    draft_graph: Optional[CapturedDraft] = None  # the captured propose of this call (cuda_graphs only)
     tail: Optional[CapturedCall] = None  # this call's round tail as a CUDA graph (cuda_graphs only)
     seed: Optional[Tensor] = None  # int64 [2]: params.seed as data (seed_words), when seeded
 
@@ -148,86 +111,6 @@ class Run:
     def noise_generator(self) -> Optional[torch.Generator]:
         """The generator the draws consume: only unseeded sampling draws from one (greedy and seeded need none)."""
         return None if self.params.greedy or self.params.seed is not None else self.generator
-
-
-class PhaseTimer:
-    """Accumulates time per phase name ("prefill", "draft", "verify" = the target forward, "accept" = the round's
-    tail): CUDA events on GPU (read once at the end, no per-round sync), wall clock on CPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.totals: dict[str, float] = defaultdict(float)
-        self._events: list[tuple[str, object, object]] = []
-
-    @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            end.record()
-            self._events.append((name, start, end))
-        else:
-            t0 = time.perf_counter()
-            yield
-            self.totals[name] += time.perf_counter() - t0
-
-    def seconds(self) -> dict[str, float]:
-        if self.cuda:
-            torch.cuda.synchronize()
-            for name, start, end in self._events:
-                self.totals[name] += start.elapsed_time(end) / 1e3
-            self._events.clear()
-        return dict(self.totals)
-
-
-class _CudaGraphDraft:
-    """``drafter.propose(state, tree)`` captured as one CUDA graph (:func:`~longspec.decode.graphs.capture`).
-
-    Valid for one ``generate`` call: the graph reads the call's ``DecodeState`` tensors and the drafter's cache in
-    place (both persistent within the call). The warm-up runs' writes are undone by restoring
-    ``drafter.graph_state()`` from a snapshot before each of them and before the capture.
-    """
-
-    def __init__(self, propose: Callable[[DecodeState, TreeSpec], DraftTree], drafter: Drafter, state: DecodeState,
-                 tree: TreeSpec) -> None:
-        mutated = drafter.graph_state()
-        snapshot = [t.clone() for t in mutated]
-
-        def restore() -> None:
-            for t, saved in zip(mutated, snapshot):
-                t.copy_(saved)
-
-        self.graph, self.tree = capture(lambda: propose(state, tree), reset=restore)
-
-    def __call__(self) -> DraftTree:
-        self.graph.replay()
-        return self.tree
-
-
-def stop_lengths(
-    emitted: Tensor, counts: Tensor, eos: Tensor, remaining: Tensor, active: Tensor
-) -> tuple[Tensor, Tensor]:
-    """Apply per-row stops to a round's emitted tokens.
-
-    Args:
-        emitted: int64 ``[B, A]`` tokens in order; counts: int64 ``[B]`` valid entries.
-        eos: int64 ``[E]`` stop ids (may be empty); remaining: int64 ``[B]`` tokens still allowed per row.
-        active: bool ``[B]`` rows still generating.
-
-    Returns:
-        ``(kept [B] int64, finished [B] bool)``: tokens kept (cut after the first EOS and at the budget; 0 for
-        inactive rows) and the rows that stop this round.
-    """
-    A = emitted.shape[1]
-    kept = torch.minimum(counts, remaining)
-    col = torch.arange(A, device=emitted.device)[None, :]
-    is_eos = torch.isin(emitted, eos) & (col < kept[:, None])
-    hit = is_eos.any(dim=1)
-    kept = torch.where(hit, is_eos.to(torch.int8).argmax(dim=1) + 1, kept)
-    kept = torch.where(active, kept, 0)
-    finished = active & (hit | (kept >= remaining))
-    return kept, finished
 
 
 class SpeculativeDecoder:
@@ -247,6 +130,8 @@ class SpeculativeDecoder:
         prefill_chunk_size: prompt tokens per prefill forward (bounds prefill activation memory).
         max_cache_len: refuse requests needing more cache rows than this (prompt + max_new_tokens + scratch rows).
         kv_update: :class:`KVUpdate` strategy for the accepted path's K/V (COMMIT by default).
+        phase_times: split each call's decoding time into draft / verify / accept in its
+            :class:`~longspec.decode.stats.DecodeStats` (CUDA events around the phases; off: no cost at all).
 
     The decoder keeps its KV cache between ``generate`` calls (reused when big enough, so captured CUDA graphs stay
     valid); one decoder serves one call at a time.
@@ -268,6 +153,7 @@ class SpeculativeDecoder:
         max_cache_len: Optional[int] = None,
         kv_update: KVUpdate = KVUpdate.COMMIT,
         compile: bool = False,
+        phase_times: bool = False,
     ) -> None:
         check_supported(target)
         _check_drafter(target, drafter, kv_update)
@@ -282,13 +168,14 @@ class SpeculativeDecoder:
         self.max_cache_len = max_cache_len
         self._cache: Optional[StaticKVCache] = None
         self._graphs: dict[str, CapturedCall] = {}
+        self.phase_times = bool(phase_times)
         self._compiled = CompiledTarget(target) if compile else None
         self._propose_fn = drafter.propose if drafter is not None else None
-        self._tail_fns = _TAIL
+        self._tail_fns = TAIL
         if compile:
             if getattr(drafter, "compilable", False):
                 self._propose_fn = torch.compile(drafter.propose, fullgraph=True)
-            self._tail_fns = {name: torch.compile(fn, fullgraph=True) for name, fn in _TAIL.items()}
+            self._tail_fns = {name: torch.compile(fn, fullgraph=True) for name, fn in TAIL.items()}
 
     # -- public ---------------------------------------------------------------------------------------------------
 
@@ -318,40 +205,44 @@ class SpeculativeDecoder:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         params = SamplingParams(temperature, top_k, top_p, seed)  # validates each, naming it
         device = self.target.get_output_embeddings().weight.device
-        prompt = _prepare_prompt(input_ids, attention_mask, device)
+        prompt = prepare_prompt(input_ids, attention_mask, device)
         total = prompt.max_len + max_new_tokens
         check_generation_length(self.target, total)
-        eos = _eos_ids(eos_token_id, self.target)
-        timer = PhaseTimer(device)
+        eos = eos_ids(eos_token_id, self.target)
+        timer = PhaseTimer(device, enabled=self.phase_times)
         t0 = time.perf_counter()
         with torch.inference_mode(), use_longspec_attention(self.target):
-            run = self._start(prompt, params, eos, max_new_tokens, generator, timer)
+            run = self._start(prompt, params, eos, max_new_tokens, generator)
             if streamer is not None:
                 streamer(run.state.root[:, None], torch.ones_like(run.generated))
-            with self._compiled.active() if self._compiled is not None else contextlib.nullcontext():
+            with self._compiled_layers():
+                t1 = None
                 while bool(run.state.active.any()):  # the round's one host sync
+                    t1 = t1 or time.perf_counter()  # the first sync closes the prefill
                     self._round(run, timer, streamer)
-            sequences = _output_sequences(input_ids.to(device), prompt, run, _pad_id(self.target, eos))
-        stats = _stats(run, timer, time.perf_counter() - t0)
-        return GenerateOutput(sequences, _accept_lengths(run), stats)
+            t1 = t1 or time.perf_counter()
+            sequences = output_sequences(input_ids.to(device), prompt, run.state.tokens, run.generated,
+                                         pad_id(self.target, eos))
+        t2 = time.perf_counter()
+        stats = collect_stats(run.history, run.generated, timer, t1 - t0, t2 - t1)
+        return GenerateOutput(sequences, accept_lengths(run.history, run.generated.shape[0]), stats)
 
     # -- phases ---------------------------------------------------------------------------------------------------
 
-    def _start(self, prompt: _Prompt, params: SamplingParams, eos: Tensor, max_new: int,
-               generator: Optional[torch.Generator], timer: PhaseTimer) -> Run:
+    def _start(self, prompt: Prompt, params: SamplingParams, eos: Tensor, max_new: int,
+               generator: Optional[torch.Generator]) -> Run:
         """Allocate, prefill, sample the first token and let the drafter prefill."""
         B = prompt.tokens.shape[0]
         cache = self._cache_for(B, prompt.max_len + max_new + self._scratch_rows())
         width = prompt.max_len + max_new + self.tree.depth + 2  # room for a round's writes past the end
         tokens = torch.zeros(B, width, dtype=torch.int64, device=cache.kv.device)
         tokens[:, : prompt.tokens.shape[1]] = prompt.tokens
-        with timer.phase("prefill"):
-            logits = self._prefill_logits(cache, prompt)
-            root = sample_tokens(logits, params, prompt.lens[:, None], generator)[:, 0]
-        return self._begin(cache, tokens, prompt.lens, root, params, eos, max_new, generator, timer)
+        logits = self._prefill_logits(cache, prompt)
+        root = sample_tokens(logits, params, prompt.lens[:, None], generator)[:, 0]
+        return self._begin(cache, tokens, prompt.lens, root, params, eos, max_new, generator)
 
     def _begin(self, cache: StaticKVCache, tokens: Tensor, lens: Tensor, root: Tensor, params: SamplingParams,
-               eos: Tensor, max_new: int, generator: Optional[torch.Generator], timer: PhaseTimer) -> Run:
+               eos: Tensor, max_new: int, generator: Optional[torch.Generator]) -> Run:
         """The run after the prefill: ``lens`` committed rows per row, ``root`` pending; the drafter prefills."""
         self.tree.depth_tensor(cache.kv.device)  # made here, outside any graph capture
         cache.seqlens.copy_(lens.to(torch.int32))
@@ -365,8 +256,7 @@ class SpeculativeDecoder:
         # the token buffer's width changes with every request: one dynamic dimension, not one compile per width
         torch._dynamo.maybe_mark_dynamic(tokens, 1)
         if self.drafter is not None:
-            with timer.phase("draft"):
-                self.drafter.prefill(state, self.tree)
+            self.drafter.prefill(state, self.tree)
         return run
 
     def synthetic_run(self, context: int, batch: int = 1, rounds: int = 64, seed: int = 0) -> Run:
@@ -385,22 +275,24 @@ class SpeculativeDecoder:
         no_stop = torch.zeros(0, dtype=torch.int64, device=device)
         with torch.inference_mode(), use_longspec_attention(self.target):
             return self._begin(cache, tokens, lens, tokens[:, context].clone(), SamplingParams(), no_stop, max_new,
-                               None, PhaseTimer(device))
+                               None)
 
     @contextlib.contextmanager
     def rounds(self) -> Iterator[None]:
         """What :meth:`generate` holds around its rounds (inference mode, the longspec attention, the compiled
         layers): :meth:`step` runs inside it."""
-        with torch.inference_mode(), use_longspec_attention(self.target):
-            with self._compiled.active() if self._compiled is not None else contextlib.nullcontext():
-                yield
+        with torch.inference_mode(), use_longspec_attention(self.target), self._compiled_layers():
+            yield
 
     def step(self, run: Run, timer: Optional[PhaseTimer] = None) -> None:
         """One round of ``run`` on the device, with no host sync: what :meth:`generate` repeats. Call it inside
-        :meth:`rounds`; ``timer`` (a :class:`PhaseTimer`) collects its phases' times when given."""
-        self._round(run, timer or PhaseTimer(run.state.root.device), None)
+        :meth:`rounds`; ``timer`` (a :class:`~longspec.decode.stats.PhaseTimer`) collects its phases' times."""
+        self._round(run, timer or PhaseTimer(run.state.root.device, enabled=False), None)
 
-    def _prefill_logits(self, cache: StaticKVCache, prompt: _Prompt) -> Tensor:
+    def _compiled_layers(self) -> contextlib.AbstractContextManager:
+        return self._compiled.active() if self._compiled is not None else contextlib.nullcontext()
+
+    def _prefill_logits(self, cache: StaticKVCache, prompt: Prompt) -> Tensor:
         """Write the prompt's K/V chunk by chunk; float32 logits ``[B, 1, V]`` at each row's last prompt token."""
         B, S = prompt.tokens.shape
         last = (prompt.lens - 1)[:, None, None]
@@ -441,7 +333,7 @@ class SpeculativeDecoder:
         if not graphable:
             return self._propose_fn(run.state, self.tree)
         if run.draft_graph is None:
-            run.draft_graph = _CudaGraphDraft(self._propose_fn, self.drafter, run.state, self.tree)
+            run.draft_graph = CapturedDraft(self._propose_fn, self.drafter, run.state, self.tree)
         return run.draft_graph()
 
     def _tree_mask(self, run: Run, draft: DraftTree) -> Tensor:
@@ -485,7 +377,7 @@ class SpeculativeDecoder:
 
     def _tail_body(self, name: str, run: Run, logits: Tensor, *inputs: Tensor) -> tuple[Tensor, Tensor]:
         state, generator = run.state, run.noise_generator
-        fns = self._tail_fns if generator is None else _TAIL  # torch.compile cannot take a torch.Generator
+        fns = self._tail_fns if generator is None else TAIL  # torch.compile cannot take a torch.Generator
         remaining = run.max_new - run.generated
         # the seed travels as data (run.seed), so the tail's compiled graph serves every seed
         params = run.params if run.params.seed is None else dataclasses.replace(run.params, seed=0)
@@ -568,39 +460,6 @@ class SpeculativeDecoder:
         return cache
 
 
-# -- the round's tail: pure tensor functions (torch.compile'd with compile=True) --------------------------------------
-
-
-def _accept_tail(logits, tokens, parents, mask, params, tree, seqlens, eos, remaining, active, generator, seed):
-    """Verify: ``(emitted [B, D+1], kept [B], finished [B], accept_index [B, D+1])`` for a tree's target logits."""
-    draws = node_draws(logits, params, seqlens, tree, generator, seed)
-    acc = accept_tree(tokens, parents, mask, draws, tree)
-    kept, finished = stop_lengths(acc.emitted, acc.accept_len, eos, remaining, active)
-    return acc.emitted, kept, finished, acc.accept_index
-
-
-def _plain_tail(logits, params, tree, seqlens, eos, remaining, active, generator, seed):
-    """Plain decoding: one token per row drawn at position ``seqlens + 1``; no acceptance, no commit."""
-    emitted = sample_tokens(logits, params, seqlens.to(torch.int64)[:, None] + 1, generator, seed=seed)
-    kept, finished = stop_lengths(emitted, torch.ones_like(remaining), eos, remaining, active)
-    return emitted, kept, finished, None
-
-
-def _advance(tokens: Tensor, root: Tensor, seqlens: Tensor, generated: Tensor, active: Tensor, emitted: Tensor,
-             kept: Tensor, finished: Tensor) -> None:
-    """Append each row's kept tokens after its root, make the last one the new root, and advance the lengths."""
-    base = seqlens.to(torch.int64)[:, None] + 1
-    tokens.scatter_(1, base + torch.arange(emitted.shape[1], device=base.device), emitted)
-    new_root = emitted.gather(1, (kept - 1).clamp(min=0)[:, None])[:, 0]
-    root.copy_(torch.where(kept > 0, new_root, root))
-    seqlens.add_(kept.to(torch.int32))
-    generated.add_(kept)
-    active.logical_and_(~finished)
-
-
-_TAIL = {"accept": _accept_tail, "plain": _plain_tail, "advance": _advance}
-
-
 # -- helpers --------------------------------------------------------------------------------------------------------
 
 
@@ -616,92 +475,3 @@ def _check_drafter(target: torch.nn.Module, drafter: Optional[Drafter], kv_updat
     if kv_update is KVUpdate.REFEED and getattr(drafter, "reads_all_target_layers", True) and drafter is not None:
         raise ValueError(f"KVUpdate.REFEED keeps only the target's last layer current between rounds, but "
                          f"{type(drafter).__name__} reads every layer (reads_all_target_layers); use KVUpdate.COMMIT")
-
-
-def _prepare_prompt(input_ids: Tensor, attention_mask: Optional[Tensor], device: torch.device) -> _Prompt:
-    """Validate and left-align a (left-padded) batch: token j of a row at column j, filler 0 after its end."""
-    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"input_ids must be an integer tensor [B, S], got "
-                         f"{getattr(input_ids, 'dtype', type(input_ids).__name__)} {tuple(getattr(input_ids, 'shape', ()))}")
-    if input_ids.shape[0] < 1 or input_ids.shape[1] < 1:
-        raise ValueError(f"input_ids must hold at least one token per row, got shape {tuple(input_ids.shape)}")
-    ids = input_ids.to(device=device, dtype=torch.int64)
-    if attention_mask is None:
-        lens = torch.full((ids.shape[0],), ids.shape[1], dtype=torch.int64, device=device)
-        return _Prompt(ids, lens, ids.shape[1])
-    if attention_mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}, "
-                         f"got {tuple(attention_mask.shape)}")
-    mask = attention_mask.to(device=device) != 0
-    lens = mask.sum(dim=1)
-    # left padding: every row is zeros then ones, i.e. its ones are exactly its last lens[b] columns
-    col = torch.arange(ids.shape[1], device=device)[None, :]
-    if not bool(torch.equal(mask, col >= ids.shape[1] - lens[:, None])) or bool((lens == 0).any()):
-        raise ValueError("attention_mask must mark left padding (zeros then ones in every row) and every row needs "
-                         "at least one token")
-    shift = (ids.shape[1] - lens)[:, None]
-    aligned = ids.gather(1, (col + shift).clamp(max=ids.shape[1] - 1))
-    aligned = torch.where(col < lens[:, None], aligned, 0)
-    max_len = int(lens.max())
-    return _Prompt(aligned[:, :max_len], lens, max_len)
-
-
-def _as_id_list(ids) -> list[int]:
-    if ids is None:
-        return []
-    if isinstance(ids, int):
-        return [ids]
-    return [int(i) for i in ids]
-
-
-def _eos_ids(eos_token_id, model) -> Tensor:
-    """The stop ids: the argument, else the model's generation config, else its config (may be empty)."""
-    device = model.get_output_embeddings().weight.device
-    if eos_token_id is not None:
-        ids = _as_id_list(eos_token_id)
-    else:
-        gen = getattr(model, "generation_config", None)
-        ids = _as_id_list(getattr(gen, "eos_token_id", None)) or _as_id_list(getattr(model.config, "eos_token_id", None))
-    return torch.tensor(ids, dtype=torch.int64, device=device)
-
-
-def _pad_id(model, eos: Tensor) -> int:
-    """The id written after a row stops: pad_token_id from the generation config or config, else the first EOS."""
-    gen = getattr(model, "generation_config", None)
-    for source in (gen, model.config):
-        pad = getattr(source, "pad_token_id", None)
-        if pad is not None:
-            return int(pad)
-    return int(eos[0]) if eos.numel() else 0
-
-
-def _output_sequences(input_ids: Tensor, prompt: _Prompt, run: Run, pad: int) -> Tensor:
-    """``[B, S_in + G]``: the input as given, then the generated tokens, padded after each row's end."""
-    G = int(run.generated.max())
-    col = torch.arange(G, device=input_ids.device)[None, :]
-    gen = run.state.tokens.gather(1, prompt.lens[:, None] + col)
-    gen = torch.where(col < run.generated[:, None], gen, pad)
-    return torch.cat([input_ids.to(torch.int64), gen], dim=1)
-
-
-def _accept_lengths(run: Run) -> list[list[int]]:
-    if not run.history:
-        return [[] for _ in range(run.generated.shape[0])]
-    table = torch.stack(run.history, dim=1).cpu().tolist()  # [B, rounds]
-    return [[n for n in row if n > 0] for row in table]
-
-
-def _stats(run: Run, timer: PhaseTimer, wall: float) -> DecodeStats:
-    times = timer.seconds()
-    emitted = torch.stack(run.history) if run.history else torch.zeros(0, dtype=torch.int64)
-    active_pairs = int((emitted > 0).sum())
-    stats = DecodeStats(
-        rounds=len(run.history),
-        generated_tokens=int(run.generated.sum()),
-        tau=float(emitted.sum()) / active_pairs if active_pairs else 0.0,
-        time_prefill=times.get("prefill", 0.0),
-        time_draft=times.get("draft", 0.0),
-        time_verify=times.get("verify", 0.0) + times.get("accept", 0.0),
-    )
-    stats.time_other = max(wall - stats.time_prefill - stats.time_draft - stats.time_verify, 0.0)
-    return stats

@@ -2,15 +2,18 @@
 
 A round of speculative decoding is hundreds of small kernels; launched from Python each costs tens of microseconds
 of host time, replayed from a graph about one. Everything the decoder replays (the target's decode and verify
-forwards, a drafter's ``propose``, the accept-and-commit tail) is captured with :func:`capture`. Benchmarks use it
-too, so what they time is what the decoder runs.
+forwards with :class:`CapturedCall`, a drafter's ``propose`` with :class:`CapturedDraft`, the round's tail) is
+captured with :func:`capture`. Benchmarks use it too, so what they time is what the decoder runs.
 """
 from __future__ import annotations
 
-from typing import Callable, Generic, Optional, Sequence, TypeVar
+from typing import TYPE_CHECKING, Callable, Generic, Optional, Sequence, TypeVar
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from .drafter import DecodeState, Drafter, DraftTree, TreeSpec
 
 T = TypeVar("T")
 
@@ -81,8 +84,32 @@ class CapturedCall(Generic[T]):
         return out
 
 
+class CapturedDraft:
+    """``propose(state, tree)`` (a drafter's, or its compiled version) captured as one CUDA graph.
+
+    Valid for one ``generate`` call: the graph reads the call's ``DecodeState`` tensors and the drafter's state in
+    place (both persistent within the call). The warm-up runs' writes are undone by restoring
+    ``drafter.graph_state()`` from a snapshot before each of them and before the capture.
+    """
+
+    def __init__(self, propose: Callable[["DecodeState", "TreeSpec"], "DraftTree"], drafter: "Drafter",
+                 state: "DecodeState", tree: "TreeSpec") -> None:
+        mutated = drafter.graph_state()
+        snapshot = [t.clone() for t in mutated]
+
+        def restore() -> None:
+            for t, saved in zip(mutated, snapshot):
+                t.copy_(saved)
+
+        self.graph, self.tree = capture(lambda: propose(state, tree), reset=restore)
+
+    def __call__(self) -> "DraftTree":
+        self.graph.replay()
+        return self.tree
+
+
 def _signature(inputs: Sequence[Tensor]) -> tuple:
     return tuple((tuple(t.shape), t.dtype) for t in inputs)
 
 
-__all__ = ["CapturedCall", "capture"]
+__all__ = ["CapturedCall", "CapturedDraft", "capture"]

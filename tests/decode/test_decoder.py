@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from longspec import PromptLookupDrafter, SpeculativeDecoder, StreamingSelfDrafter
-from longspec.decode.decoder import KVUpdate, stop_lengths
+from longspec.decode.decoder import KVUpdate
+from longspec.decode.tail import stop_lengths
 from longspec.decode.drafter import DraftTree
 
 from .tiny_targets import EOS, FAMILIES, assert_same_tokens, hf_greedy, ragged_batch, tiny_target

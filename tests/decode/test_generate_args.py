@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from longspec import SpeculativeDecoder
+from longspec import PromptLookupDrafter, SpeculativeDecoder
 
 from .tiny_targets import tiny_target
 
@@ -28,6 +28,15 @@ def test_bad_sampling_arguments_are_named(kwargs, message):
 
 def test_stats_report_tokens_per_second():
     stats = SpeculativeDecoder(tiny_target("llama-gqa-d64"), None).generate(IDS, 5, eos_token_id=[]).stats
-    total = stats.time_prefill + stats.time_draft + stats.time_verify + stats.time_other
+    total = stats.time_prefill + stats.time_decode
     assert stats.generated_tokens == 5 and stats.tokens_per_s == pytest.approx(5 / total)
     assert f"tokens/s={stats.tokens_per_s:.1f} " in stats.summary()
+    assert stats.time_draft is None and "verify=" not in stats.summary()  # phase times are opt-in
+
+
+def test_phase_times_when_asked():
+    dec = SpeculativeDecoder(tiny_target("llama-gqa-d64"), PromptLookupDrafter(), tree_shape=(2, 2), phase_times=True)
+    stats = dec.generate(IDS, 6, eos_token_id=[]).stats
+    assert min(stats.time_draft, stats.time_verify, stats.time_accept) > 0
+    assert stats.time_draft + stats.time_verify + stats.time_accept <= stats.time_decode
+    assert "draft=" in stats.summary() and "accept=" in stats.summary()

@@ -1,0 +1,103 @@
+"""What a generate call reports: counters, tau, wall times, and (opt-in) per-phase device times."""
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class DecodeStats:
+    """Per-generate counters. ``tau`` = mean tokens emitted per verify forward over active rows (prefill excluded).
+
+    ``time_prefill`` (from the call's start to the end of the prefill and the drafter's prefill) and
+    ``time_decode`` (the rounds) are wall-clock seconds, measured at the syncs the loop makes anyway. With
+    ``SpeculativeDecoder(..., phase_times=True)`` the rounds' device time is also split into ``time_draft``,
+    ``time_verify`` (the target forward) and ``time_accept`` (the tail), by CUDA events on a GPU (read once at the
+    end); otherwise those are None. Reporting, not a benchmark.
+    """
+
+    rounds: int = 0
+    generated_tokens: int = 0
+    tau: float = 0.0
+    time_prefill: float = 0.0
+    time_decode: float = 0.0
+    time_draft: Optional[float] = None
+    time_verify: Optional[float] = None
+    time_accept: Optional[float] = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second of the whole call (prefill included)."""
+        total = self.time_prefill + self.time_decode
+        return self.generated_tokens / total if total > 0 else 0.0
+
+    def summary(self) -> str:
+        parts = [f"rounds={self.rounds} tokens={self.generated_tokens} tau={self.tau:.2f}",
+                 f"tokens/s={self.tokens_per_s:.1f} prefill={self.time_prefill:.3f}s decode={self.time_decode:.3f}s"]
+        if self.time_draft is not None:
+            parts.append(f"draft={self.time_draft:.3f}s verify={self.time_verify:.3f}s "
+                         f"accept={self.time_accept:.3f}s")
+        return " ".join(parts)
+
+
+class PhaseTimer:
+    """Accumulates device time per phase name ("draft", "verify" = the target forward, "accept" = the round's
+    tail): CUDA events on a GPU (read once at the end, no per-round sync), wall clock on a CPU. Disabled, it records
+    nothing and costs nothing."""
+
+    def __init__(self, device: torch.device, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.cuda = device.type == "cuda"
+        self.totals: dict[str, float] = defaultdict(float)
+        self._events: list[tuple[str, object, object]] = []
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if not self.enabled:
+            yield
+        elif self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((name, start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self.totals[name] += time.perf_counter() - t0
+
+    def seconds(self) -> dict[str, float]:
+        if self.cuda and self._events:
+            torch.cuda.synchronize()
+            for name, start, end in self._events:
+                self.totals[name] += start.elapsed_time(end) / 1e3
+            self._events.clear()
+        return dict(self.totals)
+
+
+def accept_lengths(history: list[Tensor], batch: int) -> list[list[int]]:
+    """Per row, the tokens emitted by each round it took part in (from the rounds' int64 ``[B]`` kept counts)."""
+    if not history:
+        return [[] for _ in range(batch)]
+    table = torch.stack(history, dim=1).cpu().tolist()  # [B, rounds]
+    return [[n for n in row if n > 0] for row in table]
+
+
+def collect_stats(history: list[Tensor], generated: Tensor, timer: PhaseTimer, prefill_s: float,
+                  decode_s: float) -> DecodeStats:
+    emitted = torch.stack(history) if history else torch.zeros(0, dtype=torch.int64)
+    active_pairs = int((emitted > 0).sum())
+    stats = DecodeStats(rounds=len(history), generated_tokens=int(generated.sum()),
+                        tau=float(emitted.sum()) / active_pairs if active_pairs else 0.0,
+                        time_prefill=prefill_s, time_decode=decode_s)
+    if timer.enabled:
+        times = timer.seconds()
+        stats.time_draft, stats.time_verify, stats.time_accept = (times.get(k, 0.0) for k in ("draft", "verify",
+                                                                                             "accept"))
+    return stats
