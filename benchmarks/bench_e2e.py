@@ -1,6 +1,6 @@
 """End-to-end long-code completion with a trained pair: every method on held-out repository prompts.
 
-Input: the directory written by ``python -m benchmarks.recipe_code_pair --out DIR`` (``DIR/target`` with its
+Input: the directory written by ``python -m longspec.recipes.code_pair --out DIR`` (``DIR/target`` with its
 tokenizer, the draft checkpoint(s) named in ``DIR/recipe.json``, ``DIR/corpus/heldout.jsonl``). For each context
 budget, temperature and method it decodes the same prompts and reports tau (tokens per target forward), decode
 tokens/s (prefill excluded), the speedup over Vanilla FA, the draft's persistent memory and the tree's scratch rows
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from benchmarks.harness import write_results as write_results_files
 from longspec import LongSpecDraft, LongSpecDrafter, PromptLookupDrafter, SpeculativeDecoder, StreamingSelfDrafter
 from longspec.testing import first_difference
 from longspec.train.corpus import heldout_prompts
@@ -80,7 +81,7 @@ def run_engine(pair: Pair, factory, shape, prompts, new_tokens: int, temperature
         _sync(device)
         out = dec.generate(ids, new_tokens, temperature=temperature, seed=i, eos_token_id=[])
         _sync(device)
-        seconds += out.stats.time_draft + out.stats.time_verify + out.stats.time_other
+        seconds += out.stats.time_decode
         emitted += sum(sum(a) for a in out.accept_lengths)
         forwards += sum(len(a) for a in out.accept_lengths)
         outputs.append(out.sequences[:, ids.shape[1]:])
@@ -150,22 +151,23 @@ def bench(pair: Pair, contexts, n_prompts: int, new_tokens: int, temperatures, d
     return rows
 
 
-def write_results(rows: list[dict], meta: dict, out_dir: str) -> None:
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "e2e.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    lines = ["# long-code completion, end to end", "", "; ".join(f"{k}: {v}" for k, v in meta.items()), "",
-             "| context | T | method | tau | tokens/s | speedup vs FA | draft MB | tree scratch MB | same as FA |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (r["context"], r["T"])):  # stable: methods keep their order
-        lines.append(f"| {r['context']} | {r['T']} | {r['method']} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | "
-                     f"{r['speedup_vs_FA']:.2f} | {r['draft_bytes'] / 2**20:.2f} | "
-                     f"{r['tree_scratch_bytes'] / 2**20:.2f} | {r['identical_to_FA']} |")
-    with open(os.path.join(out_dir, "e2e.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+COLUMNS = [("context", "context", ""), ("T", "T", ""), ("method", "method", ""), ("tau", "tau", ".2f"),
+           ("tokens_per_s", "tokens/s", ".1f"), ("speedup_vs_FA", "speedup vs FA", ".2f"),
+           ("draft_mb", "draft MB", ".2f"), ("tree_scratch_mb", "tree scratch MB", ".2f"),
+           ("identical_to_FA", "same as FA", "")]
 
 
-def plot_results(rows: list[dict], out_path: str) -> None:
+def write_results(rows: list[dict], meta: dict, out_dir: str | None) -> None:
+    """e2e.json / e2e.md (rows by context and temperature, methods in their order) and e2e.png."""
+    rows = sorted(rows, key=lambda r: (r["context"], r["T"]))  # stable: methods keep their order
+    table = [{**r, "draft_mb": r["draft_bytes"] / 2**20, "tree_scratch_mb": r["tree_scratch_bytes"] / 2**20}
+             for r in rows]
+    write_results_files("e2e", table, out_dir, meta=meta, title="Long-code completion, end to end", columns=COLUMNS,
+                        notes=["tau / decode tokens/s (prefill excluded) / speedup over Vanilla FA; `python -m "
+                               "benchmarks.bench_e2e`"], plot=plot_results)
+
+
+def plot_results(rows: list[dict], out_path) -> None:
     """tau and speedup over Vanilla FA against context, one panel per temperature (needs matplotlib)."""
     import matplotlib
 
@@ -206,7 +208,7 @@ def main(argv=None) -> None:
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--no-hf", action="store_true", help="skip Vanilla HF (slow at long context)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="default: benchmarks/results/<gpu>/")
     a = ap.parse_args(argv)
     if a.replot:
         with open(a.replot) as f:
@@ -216,9 +218,7 @@ def main(argv=None) -> None:
         ap.error("--pair is required (or --replot)")
     dtype = torch.bfloat16 if a.device.startswith("cuda") else torch.float32
     pair = load_pair(a.pair, a.device, dtype)
-    meta = {"device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",
-            "torch": torch.__version__, "dtype": str(dtype), "prompts_per_context": a.prompts,
-            "new_tokens": a.new_tokens, "git_sha": os.environ.get("LONGSPEC_GIT_SHA", "unknown")}
+    meta = {"device": a.device, "dtype": str(dtype), "prompts_per_context": a.prompts, "new_tokens": a.new_tokens}
     with torch.inference_mode():
         bench(pair, a.contexts, a.prompts, a.new_tokens, a.temperatures, a.device, hf=not a.no_hf,
               on_rows=lambda rows: write_results(rows, meta, a.out))

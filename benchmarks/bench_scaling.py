@@ -17,6 +17,8 @@ import statistics
 import subprocess
 import sys
 
+from benchmarks.harness import write_results
+
 
 def _port() -> int:
     with socket.socket() as s:
@@ -65,23 +67,26 @@ def main(argv=None) -> None:
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--modes", nargs="+", default=["ddp", "fsdp"])
     ap.add_argument("--work", default="scaling-runs")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="default: benchmarks/results/<gpu>/")
     a = ap.parse_args(argv)
     if a.global_batch % a.ranks:
         raise SystemExit(f"--global-batch ({a.global_batch}) must be a multiple of --ranks ({a.ranks})")
     common = (a.target, a.data)
     base = run(*common, os.path.join(a.work, "ranks1"), 1, "none", a.global_batch, a.steps, a.seq_len, [])
-    results = {"ranks": a.ranks, "global_batch": a.global_batch, "steps": a.steps, "seq_len": a.seq_len,
-               "single": base, "runs": {}}
+    rows, logs = [], {"single": base}
     for mode in a.modes:
         log = run(*common, os.path.join(a.work, f"ranks{a.ranks}-{mode}"), a.ranks, mode, a.global_batch, a.steps,
                   a.seq_len, [])
-        results["runs"][mode] = {"log": log, **compare(base, log, a.ranks)}
-        summary = {k: v for k, v in results["runs"][mode].items() if k != "log"}
-        print(mode, json.dumps(summary), flush=True)
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "scaling.json"), "w") as f:
-        json.dump(results, f, indent=1)
+        logs[mode] = log
+        rows.append({"mode": mode, "ranks": a.ranks, **compare(base, log, a.ranks)})
+        print(json.dumps(rows[-1]), flush=True)
+    meta = {"global_batch": a.global_batch, "steps": a.steps, "seq_len": a.seq_len}
+    write_results("scaling", rows, a.out, meta={**meta, "logs": logs}, title="Draft training on K ranks vs one",
+                  notes=["`python -m benchmarks.bench_scaling`: the same global batch and seed on 1 and K ranks"],
+                  columns=[("mode", "mode", ""), ("ranks", "ranks", ""), ("tokens_per_s_1", "tokens/s, 1 rank", ".0f"),
+                           ("tokens_per_s_per_rank", "tokens/s per rank", ".0f"),
+                           ("scaling_efficiency", "efficiency", ".2f"), ("mean_abs_loss_diff", "mean |loss diff|", ".3f"),
+                           ("final_loss_1", "final loss, 1 rank", ".3f"), ("final_loss_k", "final loss, K", ".3f")])
 
 
 if __name__ == "__main__":

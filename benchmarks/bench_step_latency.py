@@ -19,9 +19,10 @@ over the copy bandwidth measured here. The ratios the issue sets targets for are
 decode / (linears@1 + decode attention), verify / (linears@69 + hybrid attention) and round / decode.
 
 No prefill runs: :meth:`~longspec.SpeculativeDecoder.synthetic_run` fills the cache with random K/V and sets the
-committed length, which is all the step kernels read. Configurations are the published ones (``CONFIGS``) with
+committed length, which is all the step kernels read. Configurations are the published ones with
 ``max_position_embeddings`` raised to 262144 (as in the long-context variants LongSpec used); weights are random,
-which changes no step's cost. ``--models pair`` times the shipped trained pair (``longspec.pretrained``).
+which changes no step's cost (:func:`longspec.testing.published_target`). ``--models pair`` times the shipped
+trained pair (``longspec.pretrained``).
 
 Usage (GPU): ``python -m benchmarks.bench_step_latency --models Llama-3-8B Qwen2.5-32B pair --contexts 8192 32768``.
 """
@@ -35,42 +36,24 @@ import time
 
 import torch
 
+from benchmarks.harness import write_results
 from benchmarks.timing import measure_peaks
+from longspec.testing import PUBLISHED_CONFIGS
 
-# Published architecture values (config.json of meta-llama/Meta-Llama-3-8B and Qwen/Qwen2.5-32B).
-CONFIGS = {
-    "Llama-3-8B": {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
-                   "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-                   "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False},
-    "Qwen2.5-32B": {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 5120, "intermediate_size": 27648,
-                    "num_hidden_layers": 64, "num_attention_heads": 40, "num_key_value_heads": 8,
-                    "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "tie_word_embeddings": False},
-}
-MAX_POSITIONS = 262144
 TREE = (4, 16, 16, 16, 16)
-
-
-def build(name: str, device: str = "cuda"):
-    """A bf16 target with random weights from a published config."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    values = dict(CONFIGS[name])
-    cfg = AutoConfig.for_model(values.pop("model_type"), **values, max_position_embeddings=MAX_POSITIONS)
-    torch.manual_seed(0)
-    with torch.device(device):
-        return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
 
 
 def target_and_draft(name: str, device: str = "cuda"):
     """(target, draft) in bf16: a published config with a fresh draft, or the shipped trained pair."""
     from longspec import LongSpecDraft
+    from longspec.testing import published_target
 
     if name == "pair":
         from longspec.pretrained import load_code_pair
 
         pair = load_code_pair(device, torch.bfloat16)
         return pair.target, pair.draft
-    target = build(name, device)
+    target = published_target(name, device)
     return target, LongSpecDraft.from_target(target)
 
 
@@ -100,7 +83,7 @@ def round_times(dec, context: int, iters: int) -> dict:
 
     The first round captures the graphs (and compiles, with ``compile=True``): its wall time is reported as the
     first-use cost. Returns the run too (its cache serves the attention floor)."""
-    from longspec.decode.decoder import PhaseTimer
+    from longspec.decode.stats import PhaseTimer
 
     run = dec.synthetic_run(context, rounds=3 * iters + 4)
     with dec.rounds():
@@ -109,7 +92,7 @@ def round_times(dec, context: int, iters: int) -> dict:
         bool(run.state.active.any())
         first = time.perf_counter() - t0
         dec.step(run)
-        timer = PhaseTimer(run.state.root.device)
+        timer = PhaseTimer(run.state.root.device, enabled=True)
         for _ in range(iters):
             dec.step(run, timer)
         phases = {k: v * 1e6 / iters for k, v in timer.seconds().items()}
@@ -185,7 +168,7 @@ def measure(name: str, contexts: list[int], compiles: list[bool], draft_vocab: i
                    "decode_forward_us": d["phases_us"]["verify"], "decode_wall_us": d["round_wall_us"],
                    "verify_us": s["phases_us"]["verify"], "draft_us": s["phases_us"]["draft"],
                    "accept_us": s["phases_us"]["accept"], "round_wall_us": s["round_wall_us"],
-                   "first_round_s": {"decode": d["first_round_s"], "spec": s["first_round_s"]}}
+                   "first_round_decode_s": d["first_round_s"], "first_round_spec_s": s["first_round_s"]}
             if reduced is not None:
                 draft.set_draft_vocab(reduced)
                 spec_r = SpeculativeDecoder(target, LongSpecDrafter(draft), tree_shape=TREE, cuda_graphs=True,
@@ -224,33 +207,23 @@ def _ratios(row: dict) -> None:
         row["round_reduced_per_decode"] = row["round_reduced_wall_us"] / row["decode_wall_us"]
 
 
-def write(rows: list[dict], meta: dict, out_dir: str, plot: bool = True) -> None:
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "step_latency.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    lines = ["# Round cost at real sizes (random weights, bf16, batch 1, CUDA graphs; us)", "",
-             "; ".join(f"{k}: {v}" for k, v in meta.items()), "",
-             "decode = plain round (forward + tail); round = draft + verify + accept with its host sync (wall); "
-             "floors: all linears + the layers' attention kernels, timed in this run.", "",
-             "| model | N | compile | decode | floor | x | verify | floor | x | draft | draft (reduced) | accept | "
-             "round | round/decode | reduced round/decode | first round s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(
-            f"| {r['model']} | {r['context']} | {'on' if r['compile'] else 'off'} | {r['decode_us']:.0f} | "
-            f"{r['decode_floor_us']:.0f} | {r['decode_vs_floor']:.2f} | {r['verify_us']:.0f} | "
-            f"{r['verify_floor_us']:.0f} | {r['verify_vs_floor']:.2f} | {r['draft_us']:.0f} | "
-            f"{r.get('draft_reduced_us', float('nan')):.0f} | {r['accept_us']:.0f} | {r['round_wall_us']:.0f} | "
-            f"{r['round_per_decode']:.2f} | {r.get('round_reduced_per_decode', float('nan')):.2f} | "
-            f"{r['first_round_s']['spec']:.1f} |")
-    with open(os.path.join(out_dir, "step_latency.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    if plot:
-        print("\n".join(lines), flush=True)
-        _plot(rows, os.path.join(out_dir, "step_latency.png"))
+COLUMNS = [("model", "model", ""), ("context", "N", ""), ("compile", "compile", ""),
+           ("decode_us", "decode", ".0f"), ("decode_floor_us", "floor", ".0f"), ("decode_vs_floor", "x", ".2f"),
+           ("verify_us", "verify", ".0f"), ("verify_floor_us", "floor", ".0f"), ("verify_vs_floor", "x", ".2f"),
+           ("draft_us", "draft", ".0f"), ("draft_reduced_us", "draft (reduced)", ".0f"), ("accept_us", "accept", ".0f"),
+           ("round_wall_us", "round", ".0f"), ("round_per_decode", "round/decode", ".2f"),
+           ("round_reduced_per_decode", "reduced round/decode", ".2f"), ("first_round_spec_s", "first round s", ".1f")]
+NOTES = ["Random weights, bf16, batch 1, CUDA graphs; times in us. decode = a plain round (forward + tail); round = "
+         "draft + verify + accept with its host sync (wall); floors: every linear of the model plus the layers' "
+         "attention kernels, timed in this run. `python -m benchmarks.bench_step_latency`"]
 
 
-def _plot(rows: list[dict], path: str) -> None:
+def write(rows: list[dict], meta: dict, out_dir: str, plot: bool = True):
+    return write_results("step_latency", rows, out_dir, meta=meta, title="Round cost at real sizes", notes=NOTES,
+                         columns=COLUMNS, plot=_plot if plot else None)
+
+
+def _plot(rows: list[dict], path) -> None:
     """Stacked bars per (model, N, compile): a round's draft / verify / accept against the decode step."""
     import matplotlib
 
@@ -277,20 +250,19 @@ def _plot(rows: list[dict], path: str) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", nargs="+", choices=sorted(CONFIGS) + ["pair"], default=sorted(CONFIGS))
+    models = sorted(PUBLISHED_CONFIGS)
+    ap.add_argument("--models", nargs="+", choices=models + ["pair"], default=models)
     ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768])
     ap.add_argument("--compile", choices=("on", "off", "both"), default="both")
     ap.add_argument("--draft-vocab", type=int, default=32768, help="reduced drafting vocabulary (0: none)")
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="default: benchmarks/results/<gpu>/")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_step_latency needs a CUDA device")
     compiles = {"on": [True], "off": [False], "both": [True, False]}[a.compile]
     peaks = measure_peaks()
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "tree": "-".join(map(str, TREE)),
-            "git_sha": os.environ.get("LONGSPEC_GIT_SHA", "unknown"),
-            "copy_TBps": round(peaks["copy_bytes_per_s"] / 1e12, 2)}
+    meta = {"tree": "-".join(map(str, TREE)), "copy TB/s": round(peaks["copy_bytes_per_s"] / 1e12, 2)}
     rows = []
 
     def on_row(row):  # written after every row, so a run cut short keeps what it measured
@@ -301,7 +273,7 @@ def main(argv=None) -> None:
         vocab_size = a.draft_vocab if name != "pair" else min(a.draft_vocab, 2048)
         measure(name, a.contexts, compiles, vocab_size, a.iters, peaks, on_row)
         torch.cuda.empty_cache()
-    write(rows, meta, a.out)
+    print((write(rows, meta, a.out) / "step_latency.md").read_text(), flush=True)
 
 
 if __name__ == "__main__":

@@ -17,21 +17,10 @@ import tempfile
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from benchmarks.harness import write_results
 from longspec.train.data import DataConfig
+from longspec.train.tokenizer import ByteTokenizer
 from longspec.train.trainer import TrainConfig, train
-
-
-class ByteTokenizer:
-    eos_token_id = 2
-
-    def __len__(self) -> int:
-        return 259
-
-    def __call__(self, text, add_special_tokens=False):  # a string or a batch of strings, as in transformers
-        def encode(t: str) -> list[int]:
-            return [b + 3 for b in t.encode("utf-8")]
-
-        return {"input_ids": encode(text) if isinstance(text, str) else [encode(t) for t in text]}
 
 
 def main() -> None:
@@ -39,7 +28,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--batch-size", type=int, default=4)
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="default: benchmarks/results/<gpu>/")
     a = ap.parse_args()
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
@@ -53,12 +42,11 @@ def main() -> None:
         hist = train(tc, target, ByteTokenizer())
     tps = statistics.median(h["tokens_per_s"] for h in hist[5:])
     params = sum(p.numel() for p in target.parameters())
-    res = {"gpu": torch.cuda.get_device_name(), "target_params": params, "seq_len": a.seq_len,
-           "batch_size": a.batch_size, "steps": a.steps, "median_tokens_per_s": tps,
-           "loss_first": hist[0]["loss"], "loss_last": hist[-1]["loss"]}
-    print(json.dumps(res))
-    with open(os.path.join(a.out, "train.json"), "w") as f:
-        json.dump({**res, "history": hist}, f, indent=1)
+    row = {"target_params": params, "seq_len": a.seq_len, "batch_size": a.batch_size, "steps": a.steps,
+           "median_tokens_per_s": tps, "loss_first": hist[0]["loss"], "loss_last": hist[-1]["loss"]}
+    print(json.dumps(row))
+    write_results("train", [row], a.out, meta={"history": hist}, title="Single-GPU draft-training throughput",
+                  notes=["`python -m benchmarks.bench_train`: a random 8-layer Llama target, bytes of Python source"])
 
 
 if __name__ == "__main__":

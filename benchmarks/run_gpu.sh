@@ -33,7 +33,7 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
   cat "$OUT/attention.md" 2>/dev/null
 fi
 if [ "${E2E:-1}" = 1 ]; then
-  timeout 200 python3 -m benchmarks.bench_decode --context 8192 --out "$OUT" 2>&1 | tail -12
+  timeout 300 python3 -m benchmarks.bench_step_latency --models pair --out "$OUT" 2>&1 | grep -v "^{" | tail -12
   [ "${TRAIN:-1}" = 1 ] && timeout 120 python3 -m benchmarks.bench_train --steps 30 --out "$OUT" 2>&1 | tail -3
 fi
 echo "total $(( $(date +%s) - start )) s"

@@ -6,7 +6,7 @@
 # phase 2, carried).
 #   phase 1: build the extension and run the engine's GPU tests (background); recipe stages data + target.
 #   phase 2: recipe stage drafts (main + the two ablations), export of the shippable pair.
-#   phase 3: end-to-end benchmark, real-size step latency, engine round costs.
+#   phase 3: end-to-end benchmark, the pair's round costs.
 # Usage: bash benchmarks/run_pair.sh 1|2|3
 set -uo pipefail
 phase=${1:?usage: run_pair.sh 1|2|3}
@@ -30,7 +30,7 @@ case $phase in
 1)
   ( build && elapsed "built" && timeout 300 python3 -m pytest -q tests/decode/test_gpu_decoder.py -p no:cacheprovider \
       > "$OUT/tests_decode.log" 2>&1; elapsed "engine GPU tests: $(tail -1 "$OUT/tests_decode.log")" ) &
-  timeout 500 python3 -m benchmarks.recipe_code_pair --out "$PAIR" --scale "$SCALE" --stages data target \
+  timeout 500 python3 -m longspec.recipes.code_pair --out "$PAIR" --scale "$SCALE" --stages data target \
     > "$OUT/recipe1.log" 2>&1
   elapsed "recipe data+target exit $?"; grep -v "^target step" "$OUT/recipe1.log" | tail -20
   grep "^target step" "$OUT/recipe1.log" | awk 'NR % 10 == 1' | tail -12
@@ -42,7 +42,7 @@ case $phase in
     elapsed "fresh machine: restoring the target"; mkdir -p "$PAIR"
     cp -r longspec/assets/code-pair/target "$PAIR/target" && cp benchmarks/results/h200/recipe.json "$PAIR/" || exit 1
   fi
-  timeout 540 python3 -m benchmarks.recipe_code_pair --out "$PAIR" --scale "$SCALE" --stages drafts --ablations \
+  timeout 540 python3 -m longspec.recipes.code_pair --out "$PAIR" --scale "$SCALE" --stages drafts --ablations \
     --export "$PAIR/export" > "$OUT/recipe2.log" 2>&1
   elapsed "recipe drafts exit $?"; tail -8 "$OUT/recipe2.log"
   (cd "$PAIR" && tar -cf - recipe.json export/draft export/pair.json draft*/checkpoint-*/config.json \
@@ -53,15 +53,13 @@ case $phase in
     elapsed "fresh machine: restoring the pair"; mkdir -p "$PAIR"
     cp -r longspec/assets/code-pair/target "$PAIR/target" && tar -C "$PAIR" -xf gpu-carry/pair2.tar || exit 1
   fi
-  [ -f "$PAIR/corpus/heldout.jsonl" ] || python3 -m benchmarks.recipe_code_pair --out "$PAIR" --scale "$SCALE" --stages data
+  [ -f "$PAIR/corpus/heldout.jsonl" ] || python3 -m longspec.recipes.code_pair --out "$PAIR" --scale "$SCALE" --stages data
   build; elapsed "built: $(python3 -c 'import longspec_ops; print(longspec_ops.has_cuda_kernels())')"
   timeout 330 python3 -m benchmarks.bench_e2e --pair "$PAIR" --contexts 4096 8192 16384 32768 --prompts 3 \
     --new-tokens 256 --out "$OUT" 2>&1 | tail -70
   elapsed "e2e done"
-  tau=$(python3 -c "import json; r=json.load(open('$OUT/e2e.json'))['rows']; print(' '.join(sorted({'%.2f' % x['tau'] for x in r if x['method'] == 'LongSpec tree' and x['T'] == 0 and x['context'] >= 16384})))" 2>/dev/null)
-  timeout 200 python3 -m benchmarks.bench_step_latency --tau ${tau:-3} --out "$OUT" 2>&1 | grep -v "^{" | tail -12
+  timeout 200 python3 -m benchmarks.bench_step_latency --models pair --out "$OUT" 2>&1 | grep -v "^{" | tail -12
   elapsed "step latency done"
-  timeout 100 python3 -m benchmarks.bench_decode --context 8192 --out "$OUT" 2>&1 | tail -12
   ;;
 esac
 elapsed "phase $phase done"

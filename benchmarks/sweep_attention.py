@@ -12,12 +12,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
 import os
 
 import torch
 import triton
 
+from benchmarks.harness import write_results
 from benchmarks.test_attention import Case
 from benchmarks.timing import Timer
 from longspec_ops.kernels import configs as C
@@ -64,14 +64,6 @@ def sweep(case: str, N: int, timer: Timer, quick: bool) -> list[dict]:
     default = next(r for r in rows if r["config"] == "table default")
     print(f"  default {default.get('us', float('nan')):.1f} us (rank {ok.index(default) + 1 if default in ok else '-'})")
     return rows
-
-
-def _table(title: str, note: str, rows: list[dict]) -> str:
-    cols = list(rows[0])
-    lines = [f"# {title}", "", note, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
-        lines.append("| " + " | ".join(f"{v:.1f}" if isinstance(v, float) else str(v) for v in r.values()) + " |")
-    return "\n".join(lines) + "\n"
 
 
 class _MemsetFlushTimer(Timer):
@@ -187,7 +179,7 @@ def eager_overhead() -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="default: benchmarks/results/<gpu>/")
     ap.add_argument("--cases", default="tree-32768,decode-32768,tree-131072,decode-131072,tree-8192",
                     help="comma-separated <tree|decode>-<N>; empty: no config sweep")
     ap.add_argument("--flush", action="store_true", help="also compare read and memset L2 flushes")
@@ -196,32 +188,28 @@ def main() -> None:
                     help="also compare the Gluon and Triton kernels, TMA/pointer loads and PDL/plain merge launch")
     args = ap.parse_args()
     timer = Timer(reps=30, warmup=3)
-    sha = os.environ.get("LONGSPEC_GIT_SHA", "unknown")
-    env = f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, git {sha}"
     results = {}
     for spec in filter(None, args.cases.split(",")):
         case, N = spec.split("-")
         results[spec] = sweep(case, int(N), timer, args.quick)
     if results:
-        with open(os.path.join(args.out, "sweep.json"), "w") as f:
-            json.dump(results, f, indent=1)
+        rows = [{"case": spec, **r} for spec, rs in results.items() for r in rs]
+        write_results("sweep", rows, args.out, title="Split-KV launch configs",
+                      notes=["CUDA-graph replay, cold L2, median of 30, Llama-3-8B attention shapes. `python -m "
+                             "benchmarks.sweep_attention --cases ...`"])
     for flag, name, fn, title, note in (
         (args.flush, "flush", lambda: flush_check(timer), "L2 flush: read vs memset",
-         f"CUDA-graph replay, Llama-3-8B attention shapes, median of 30 ({env}). `python -m "
+         "CUDA-graph replay, Llama-3-8B attention shapes, median of 30. `python -m "
          "benchmarks.sweep_attention --cases '' --flush`"),
         (args.paths, "paths", lambda: load_paths(Timer(reps=100, warmup=3)), "Kernels, cache loads and merge launch",
-         f"CUDA-graph replay, cold L2, median of 100, Llama-3-8B attention shapes, default configs ({env}). `python -m "
+         "CUDA-graph replay, cold L2, median of 100, Llama-3-8B attention shapes, default configs. `python -m "
          "benchmarks.sweep_attention --cases '' --paths`"),
         (args.eager, "eager", eager_overhead, "Eager host overhead per call",
-         f"Host time per call, 400 calls, small N so the GPU waits on the host ({env}). `python -m "
+         "Host time per call, 400 calls, small N so the GPU waits on the host. `python -m "
          "benchmarks.sweep_attention --cases '' --eager`"),
     ):
         if flag:
-            rows = fn()
-            with open(os.path.join(args.out, f"{name}.json"), "w") as f:
-                json.dump({"env": env, "rows": rows}, f, indent=1)
-            with open(os.path.join(args.out, f"{name}.md"), "w") as f:
-                f.write(_table(title, note, rows))
+            write_results(name, fn(), args.out, title=title, notes=[note])
 
 
 if __name__ == "__main__":

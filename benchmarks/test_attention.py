@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import longspec_ops  # noqa: F401  (registers torch.ops.longspec)
 from benchmarks.timing import Timer, measure_peaks, roofline_us
-from tests.ops.naive import beam_tree_mask
+from longspec.testing import beam_tree_mask
 
 pytestmark = pytest.mark.requires_cuda
 

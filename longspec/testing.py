@@ -1,4 +1,5 @@
-"""Helpers for checking losslessness on your own models and drafters.
+"""Helpers for checking losslessness on your own models and drafters, and what the project's tests and benchmarks
+both use (published model shapes, random beam trees, the CUDA marker).
 
 Exact token equality is the test at float32. In bf16 (or any low precision), speculative and plain decoding run
 different kernels (a tree-verify forward against single-token decode steps), so near-ties of the next-token logits
@@ -57,3 +58,61 @@ def first_divergence(got: Tensor, want: Tensor, reference_model, attention_mask:
     logits = reference_model(prefix, attention_mask=mask).logits[0, -1].float()
     top2 = logits.topk(2).values
     return Divergence(b, t, float(top2[0] - top2[1]))
+
+
+# --- shared by the tests and the benchmarks ---------------------------------------------------------------------------
+
+# Published architecture values (config.json of meta-llama/Meta-Llama-3-8B and Qwen/Qwen2.5-32B).
+PUBLISHED_CONFIGS = {
+    "Llama-3-8B": {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+                   "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                   "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False},
+    "Qwen2.5-32B": {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 5120, "intermediate_size": 27648,
+                    "num_hidden_layers": 64, "num_attention_heads": 40, "num_key_value_heads": 8,
+                    "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "tie_word_embeddings": False},
+}
+
+
+def published_target(name: str, device: str | torch.device = "cuda", max_positions: int = 262144,
+                     dtype: torch.dtype = torch.bfloat16):
+    """A random-weight causal LM of a published shape (:data:`PUBLISHED_CONFIGS`), eval mode, built on ``device``
+    (``"meta"`` allocates nothing). ``max_position_embeddings`` is raised to ``max_positions`` (the long-context
+    variants LongSpec used, e.g. Llama-3-8B-Instruct-262k); a step's cost does not depend on the weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    values = dict(PUBLISHED_CONFIGS[name])
+    cfg = AutoConfig.for_model(values.pop("model_type"), **values, max_position_embeddings=max_positions)
+    torch.manual_seed(0)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+
+
+def beam_tree_mask(shape, batch: int, generator: Optional[torch.Generator] = None) -> Tensor:
+    """A random beam tree of the given level sizes (like 4-16-16-16-16): bool ``[batch, T, T]``, ancestors + self."""
+    offsets = [0, 1]
+    for s in shape:
+        offsets.append(offsets[-1] + s)
+    T = offsets[-1]
+    mask = torch.zeros(batch, T, T, dtype=torch.bool)
+    mask[:, 0, 0] = True
+    for b in range(batch):
+        for d in range(1, len(offsets) - 1):
+            lo, hi = offsets[d - 1], offsets[d]
+            for i in range(offsets[d], offsets[d + 1]):
+                parent = int(torch.randint(lo, hi, (1,), generator=generator))
+                mask[b, i] = mask[b, parent]
+                mask[b, i, i] = True
+    return mask
+
+
+def skip_cuda_tests_without_a_gpu(items) -> None:
+    """The body of a ``pytest_collection_modifyitems`` hook: on a machine without CUDA, items marked
+    ``requires_cuda`` are collected and skipped."""
+    import pytest
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "requires_cuda" in item.keywords:
+            item.add_marker(skip)

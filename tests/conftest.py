@@ -13,13 +13,10 @@ if not HAS_CUDA:
 
 import pytest  # noqa: E402
 
+from longspec.testing import skip_cuda_tests_without_a_gpu  # noqa: E402
+
 requires_cuda = pytest.mark.requires_cuda
 
 
 def pytest_collection_modifyitems(config, items):
-    if HAS_CUDA:
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
-    for item in items:
-        if "requires_cuda" in item.keywords:
-            item.add_marker(skip)
+    skip_cuda_tests_without_a_gpu(items)

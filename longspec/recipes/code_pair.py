@@ -1,6 +1,6 @@
 """The recipe for a real target/draft pair on Python code (issue 7): corpus -> tokenizer -> target -> LongSpec draft.
 
-Usage: ``python -m benchmarks.recipe_code_pair --out DIR [--scale tiny|h200] [--ablations] [--stages ...]``
+Usage: ``python -m longspec.recipes.code_pair --out DIR [--scale tiny|h200] [--ablations] [--stages ...]``
 
 1. Corpus: the Python source installed on the machine (stdlib + site-packages), split by top-level package into
    ``DIR/corpus/train.jsonl`` and ``heldout.jsonl`` (:mod:`longspec.train.corpus`).

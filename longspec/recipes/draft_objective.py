@@ -4,7 +4,7 @@ A small experiment that runs on a CPU in a few minutes: train a small byte-level
 (standard-library files, split by file into training and held-out sets), then two LongSpec drafts for it from the
 same initialisation with the project's trainer (anchor-offset positions and flash noisy training on), one with
 ``kl_weight=0`` and one with ``kl_weight=1``; measure tau (tokens per target forward, greedy) of each on held-out
-prompts with the 4-4-4-4 tree and a chain of 4. Usage: ``python -m benchmarks.draft_objective``.
+prompts with the 4-4-4-4 tree and a chain of 4. Usage: ``python -m longspec.recipes.draft_objective``.
 """
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from benchmarks.bench_train import ByteTokenizer
 from longspec import LongSpecDraft, LongSpecDrafter, SpeculativeDecoder
 from longspec.train.data import DataConfig, PackedStream, batches
+from longspec.train.tokenizer import ByteTokenizer
 from longspec.train.trainer import TrainConfig, train
 
 

@@ -54,3 +54,19 @@ def train_bpe_tokenizer(jsonl_paths: Sequence[str], vocab_size: int, out_dir: st
     os.makedirs(out_dir, exist_ok=True)
     fast.save_pretrained(out_dir)
     return fast
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids 3..258 (2 is EOS): a real, deterministic tokenizer with no training, for experiments
+    (``longspec.recipes.draft_objective``) and throughput benchmarks."""
+
+    eos_token_id = 2
+
+    def __len__(self) -> int:
+        return 259
+
+    def __call__(self, text, add_special_tokens=False):  # a string or a batch of strings, as in transformers
+        def encode(t: str) -> list[int]:
+            return [b + 3 for b in t.encode("utf-8")]
+
+        return {"input_ids": encode(text) if isinstance(text, str) else [encode(t) for t in text]}

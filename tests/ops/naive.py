@@ -34,19 +34,3 @@ def hybrid_visibility(cache_seqlens, N, tree_mask):
     return torch.cat([rows.expand(B, M, N), tree_mask], dim=-1)
 
 
-def beam_tree_mask(shape, batch, generator=None):
-    """A random beam tree of the given level sizes (like 4-16-16-16-16): bool [batch, T, T], ancestors + self."""
-    offsets = [0, 1]
-    for s in shape:
-        offsets.append(offsets[-1] + s)
-    T = offsets[-1]
-    mask = torch.zeros(batch, T, T, dtype=torch.bool)
-    mask[:, 0, 0] = True
-    for b in range(batch):
-        for d in range(1, len(offsets) - 1):
-            lo, hi = offsets[d - 1], offsets[d]
-            for i in range(offsets[d], offsets[d + 1]):
-                parent = int(torch.randint(lo, hi, (1,), generator=generator))
-                mask[b, i] = mask[b, parent]
-                mask[b, i, i] = True
-    return mask

@@ -22,7 +22,7 @@ from longspec_ops.kernels import launch as K
 from longspec_ops.reference import attention as ref
 
 from ..conftest import requires_cuda
-from .naive import beam_tree_mask
+from longspec.testing import beam_tree_mask
 
 pytestmark = requires_cuda
 

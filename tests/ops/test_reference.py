@@ -10,7 +10,9 @@ from torch.library import opcheck
 import longspec_ops
 from longspec_ops.reference import attention as ref
 
-from .naive import beam_tree_mask, hybrid_visibility, naive_attention
+from longspec.testing import beam_tree_mask
+
+from .naive import hybrid_visibility, naive_attention
 
 HEADS = [(4, 2), (6, 1), (4, 4)]
 TOL = 1e-10  # float64 against float64

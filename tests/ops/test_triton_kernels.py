@@ -20,7 +20,7 @@ from longspec_ops.kernels import launch as K  # noqa: E402
 from longspec_ops.kernels import hybrid_tree_attn, prefix_attn, tree_attn  # noqa: E402
 from longspec_ops.reference import attention as ref  # noqa: E402
 
-from .naive import beam_tree_mask  # noqa: E402
+from longspec.testing import beam_tree_mask  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if not INTERPRET and not torch.cuda.is_available():

@@ -5,6 +5,9 @@ import json
 import os
 import shutil
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -296,9 +299,6 @@ def _save_target_with_tokenizer(path):
 
 def test_cli_train_under_torchrun(tmp_path):
     """The user path: ``torchrun --nproc-per-node 2 -m longspec.cli train ...`` (gloo on CPU)."""
-    import subprocess
-    import sys
-
     assert _save_target_with_tokenizer(tmp_path / "target") <= 320
     corpus = write_corpus(tmp_path / "corpus.jsonl")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
@@ -315,20 +315,24 @@ def test_cli_train_under_torchrun(tmp_path):
 
 def test_scaling_harness_over_gloo(tmp_path):
     """benchmarks/bench_scaling (issue 8's harness) on CPU: 1 rank vs 2 ranks (DDP and FSDP2), same global batch."""
-    from benchmarks.bench_scaling import main as scaling
-
     _save_target_with_tokenizer(tmp_path / "target")
     corpus = write_corpus(tmp_path / "corpus.jsonl")
-    scaling(["--target", str(tmp_path / "target"), "--data", corpus, "--ranks", "2", "--global-batch", "4",
-             "--steps", "4", "--seq-len", "64", "--work", str(tmp_path / "runs"), "--out", str(tmp_path)])
+    cmd = [sys.executable, "-m", "benchmarks.bench_scaling", "--target", str(tmp_path / "target"), "--data", corpus,
+           "--ranks", "2", "--global-batch", "4", "--steps", "4", "--seq-len", "64", "--work", str(tmp_path / "runs"),
+           "--out", str(tmp_path)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[2],
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
+    assert run.returncode == 0, run.stderr[-3000:]
     res = json.loads((tmp_path / "scaling.json").read_text())
-    assert len(res["single"]) == 4
-    for mode in ("ddp", "fsdp"):
-        r = res["runs"][mode]
-        assert [row["step"] for row in r["log"]] == [1, 2, 3, 4]
+    logs = res["meta"]["logs"]
+    assert len(logs["single"]) == 4 and [r["mode"] for r in res["rows"]] == ["ddp", "fsdp"]
+    for row in res["rows"]:
+        log = logs[row["mode"]]
+        assert [r["step"] for r in log] == [1, 2, 3, 4]
         # step 1: identical weights and the same 4 sequences; only the per-rank position/delta draws differ
-        assert abs(r["log"][0]["loss"] - res["single"][0]["loss"]) < 0.5
-        assert r["scaling_efficiency"] > 0
+        assert abs(log[0]["loss"] - logs["single"][0]["loss"]) < 0.5
+        assert row["scaling_efficiency"] > 0
+
 
 def test_prefetch_keeps_order_stops_and_reraises():
     from longspec.train.data import Prefetch
