@@ -122,7 +122,11 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
                    help="nodes per depth (default: 4 16 16 16 16 with --draft, else 1 1 1 1 1)")
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    p.add_argument("--cuda-graphs", action="store_true", help="capture the target forwards as CUDA graphs")
+    p.add_argument("--cuda-graphs", action="store_true", help="replay every round from CUDA graphs (GPU)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the target's layers, the draft step and the round's tail (the first round "
+                        "waits for the compile)")
+    p.add_argument("--phase-times", action="store_true", help="split the stats line's decode time by phase")
     p.add_argument("--max-cache-len", type=_int(1), default=None, help="refuse requests needing more cache rows")
     p.add_argument("--sink", type=_int(0), default=32, help="streaming drafter: attention-sink rows")
     p.add_argument("--window", type=_int(1), default=1024, help="streaming drafter: recent-window rows")
@@ -153,7 +157,7 @@ def run_generate(args: argparse.Namespace) -> int:
     drafter = _build_drafter(args, model, draft_path)
     tree_shape = args.tree_shape or ((4, 16, 16, 16, 16) if args.draft else (1, 1, 1, 1, 1))
     decoder = SpeculativeDecoder(model, drafter, tree_shape=tree_shape, cuda_graphs=args.cuda_graphs,
-                                 max_cache_len=args.max_cache_len)
+                                 compile=args.compile, phase_times=args.phase_times, max_cache_len=args.max_cache_len)
     scratch = decoder.tree.num_nodes if drafter is not None else 1
     _check_cache_fits(model, prompt_ids.shape[1] + args.max_new_tokens + scratch, args.max_cache_len, device)
     streamer = _TextStreamer(tokenizer)

@@ -75,6 +75,21 @@ def test_stats_line_has_tokens_per_second(model_dir, prompt_file, capsys):
     assert stats.startswith("rounds=") and "tokens=4 " in stats and tokens_per_s > 0
 
 
+def test_compile_and_phase_times_flags(model_dir, prompt_file, capsys, expected):
+    """--compile runs the compiled round (torch.compile compiles frames) and prints the same text; --phase-times puts
+    the draft / verify / accept split in the stats line."""
+    import torch
+
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    code, out, err = run(capsys, "generate", "--target", str(model_dir), "--prompt-file", str(prompt_file),
+                         "--dtype", "float32", "--max-new-tokens", str(NEW), "--drafter", "pld", "--tree-shape", "2",
+                         "2", "--compile", "--phase-times")
+    assert code == 0, err
+    assert out == expected[1]["greedy"] + "\n"
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > frames
+    assert "draft=" in err and "accept=" in err
+
+
 @pytest.mark.parametrize("stop_at", [0, 5])
 def test_a_stop_at_end_of_text_is_reported(model_dir, prompt_file, capsys, expected, tmp_path, stop_at):
     """The model's EOS (a special token of its tokenizer) is made the token greedy decoding emits at index
