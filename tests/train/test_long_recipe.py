@@ -88,6 +88,9 @@ def test_draft_heldout_loss_is_plain_position_next_token_ce():
                                           num_attention_heads=4, num_key_value_heads=2,
                                           max_position_embeddings=512)).eval()
     draft = LongSpecDraft.from_target(target)
+    with torch.no_grad():  # weights large enough that what the cross-attention reads shows in the loss
+        for p in draft.parameters():
+            p.normal_(0, 0.3)
     tokens = np.random.default_rng(0).integers(0, 64, 600).astype(np.uint16)
     got = draft_heldout_loss(draft, target, tokens, [40, 96], windows=2, device=torch.device("cpu"))
     assert set(got) == {40, 96}
@@ -109,6 +112,38 @@ def test_draft_heldout_loss_is_plain_position_next_token_ce():
             count += ctx - 1
         assert got[ctx] == pytest.approx(total / count, rel=1e-5)
     assert draft_heldout_loss(draft, target, tokens, [40], 2, torch.device("cpu")) == {40: got[40]}
+
+
+def test_init_target_is_rebuilt_with_the_new_rope_base(base_pair):
+    """The rotary frequencies the continuation trains with come from the new base (they are computed when the
+    model is built, so setting the config of a built model would leave them at the old one)."""
+    from longspec.recipes.code_pair import load_init_target
+
+    model = load_init_target(str(base_pair / "target"), 4e6, 3000)
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    want = 1.0 / 4e6 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    torch.testing.assert_close(model.model.rotary_emb.inv_freq.double(), want, rtol=1e-5, atol=0)
+    assert model.config.max_position_embeddings == 3000 and model.config.rope_parameters["rope_theta"] == 4e6
+
+
+def test_target_trainer_runs_the_window_phases_in_order(monkeypatch):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import longspec.recipes.code_pair as cp
+
+    import numpy as np
+
+    seen = []
+    real = cp.random_windows
+    monkeypatch.setattr(cp, "random_windows", lambda t, seq, batch, gen: seen.append((seq, batch)) or real(t, seq,
+                                                                                                            batch, gen))
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64))
+    run = cp.TargetRun(((8, 2, 0.25), (16, 1, 0.5), (32, 1, 0.25)), 1e-3, 0.1)
+    trainer = cp._TargetTrainer(model, np.arange(200, dtype=np.uint16) % 32, run, 8, torch.device("cpu"))
+    for _ in range(8):
+        trainer.step()
+    assert seen == [(8, 2)] * 2 + [(16, 1)] * 4 + [(32, 1)] * 2
 
 
 @pytest.fixture(scope="module")
