@@ -3,13 +3,19 @@
 Input: the directory written by ``python -m longspec.recipes.code_pair --out DIR`` (``DIR/target`` with its
 tokenizer, the draft checkpoint(s) named in ``DIR/recipe.json``, ``DIR/corpus/heldout.jsonl``). For each context
 budget, temperature and method it decodes the same prompts and reports tau (tokens per target forward), decode
-tokens/s (prefill excluded), the speedup over Vanilla FA, the draft's persistent memory and the tree's scratch rows
-in the target cache, and whether the output equals Vanilla FA's (T = 0 greedy; T > 0 seed-exact sampling).
+tokens/s (prefill excluded), the speedup over Vanilla FA, peak GPU memory, the draft's persistent memory and the
+tree's scratch rows in the target cache, the per-depth acceptance of the drafters (the accept-length histogram is in
+the json: ``benchmarks/project_speedup.py`` reads it), and whether the output equals Vanilla FA's (T = 0 greedy;
+T > 0 seed-exact sampling); ``--fp32-check`` repeats the comparison in float32, where it must hold.
 
-Methods: Vanilla HF (``target.generate`` with transformers' eager attention), Vanilla FA (the engine's plain
-decoding on longspec's kernels), PLD (chain of 6), streaming self-speculation (sink 32 + window 1024, chain of 4,
-MagicDec-style), LongSpec tree (4-16-16-16-16) and LongSpec chain (5), plus every ablation draft the recipe trained.
-Usage (GPU): ``python -m benchmarks.bench_e2e --pair DIR --contexts 4096 8192 16384 32768 --out RESULTS``.
+Methods: Vanilla HF (``target.generate`` with transformers' eager attention; recorded as out of memory where its
+context x context score matrices do not fit), Vanilla FA (the engine's plain decoding on longspec's kernels), PLD
+(chain of 6), streaming self-speculation (sink 32 + window 1024, chain of 4, MagicDec-style), LongSpec tree
+(4-16-16-16-16) and LongSpec chain (5), plus every ablation draft the recipe trained. Each engine method builds one
+decoder per context (one warm-up, one graph capture) and decodes every prompt at every temperature with it.
+Contexts run in the order given, and the results are rewritten after each, so a run cut short keeps what it
+measured; ``--merge`` combines runs split over several device calls.
+Usage (GPU): ``python -m benchmarks.bench_e2e --pair DIR --contexts 32768 65536 16384 8192 4096 --out RESULTS``.
 """
 from __future__ import annotations
 
@@ -70,36 +76,87 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_engine(pair: Pair, factory, shape, prompts, new_tokens: int, temperature: float, device: str) -> dict:
+def _reset_peak(device: str) -> int:
+    """Start a peak-memory window; returns the bytes allocated now (0 on a CPU, where nothing is measured)."""
+    if not device.startswith("cuda"):
+        return 0
+    _sync(device)
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
+def _peak(device: str, start: int) -> dict:
+    """Peak bytes allocated in the window (``peak_bytes``, everything resident: weights, caches, activations) and
+    its rise over what was allocated when the method began (``peak_extra_bytes``); None on a CPU."""
+    if not device.startswith("cuda"):
+        return {"peak_bytes": None, "peak_extra_bytes": None}
+    _sync(device)
+    peak = torch.cuda.max_memory_allocated()
+    return {"peak_bytes": peak, "peak_extra_bytes": peak - start}
+
+
+def accept_histogram(accept_lengths: list[list[int]]) -> list[int]:
+    """Counts of tokens emitted per verify forward over all rows and rounds: index i counts rounds that emitted
+    i + 1 tokens (accepted drafts + the bonus)."""
+    flat = [a for row in accept_lengths for a in row]
+    hist = [0] * max(flat, default=0)
+    for a in flat:
+        hist[a - 1] += 1
+    return hist
+
+
+def accept_by_depth(hist: list[int], depth: int) -> list[float]:
+    """Per-depth acceptance from :func:`accept_histogram`: entry d - 1 is the fraction of rounds whose depth-d draft
+    token was accepted (emitted at least d + 1 tokens). tau = 1 + sum(accept_by_depth)."""
+    rounds = sum(hist)
+    return [sum(hist[d:]) / rounds if rounds else 0.0 for d in range(1, depth + 1)]
+
+
+def run_engine(pair: Pair, factory, shape, prompts, new_tokens: int, temperatures, device: str) -> dict:
+    """{temperature: result} for one method: one decoder (one warm-up, one set of captured graphs) decodes every
+    prompt at every temperature."""
+    start = _reset_peak(device)
     drafter = factory()
     dec = SpeculativeDecoder(pair.target, drafter, tree_shape=shape, cuda_graphs=device.startswith("cuda"))
     dec.generate(prompts[0], 8, eos_token_id=[])  # warm-up: kernel compilation, graph capture
-    emitted = forwards = 0
-    seconds = 0.0
-    outputs = []
-    for i, ids in enumerate(prompts):
-        _sync(device)
-        out = dec.generate(ids, new_tokens, temperature=temperature, seed=i, eos_token_id=[])
-        _sync(device)
-        seconds += out.stats.time_decode
-        emitted += sum(sum(a) for a in out.accept_lengths)
-        forwards += sum(len(a) for a in out.accept_lengths)
-        outputs.append(out.sequences[:, ids.shape[1]:])
     tree_rows = 0 if drafter is None else dec.tree.num_nodes
     cache = dec._cache
     per_row = cache.kv[:, :, 0, 0].numel() * cache.kv.element_size()  # one row of K and V over all layers
     draft_bytes = drafter.nbytes() if hasattr(drafter, "nbytes") else 0
-    return {"tau": emitted / max(1, forwards), "tokens_per_s": emitted / seconds, "draft_bytes": draft_bytes,
-            "tree_scratch_bytes": tree_rows * per_row, "outputs": outputs}
+    results = {}
+    for temperature in temperatures:
+        emitted = forwards = 0
+        seconds = 0.0
+        outputs, lengths = [], []
+        for i, ids in enumerate(prompts):
+            _sync(device)
+            out = dec.generate(ids, new_tokens, temperature=temperature, seed=i, eos_token_id=[])
+            _sync(device)
+            seconds += out.stats.time_decode
+            emitted += sum(sum(a) for a in out.accept_lengths)
+            forwards += sum(len(a) for a in out.accept_lengths)
+            lengths += out.accept_lengths
+            outputs.append(out.sequences[:, ids.shape[1]:])
+        hist = accept_histogram(lengths)
+        results[temperature] = {
+            "tau": emitted / max(1, forwards), "tokens_per_s": emitted / seconds, "draft_bytes": draft_bytes,
+            "tree_scratch_bytes": tree_rows * per_row, "accept_hist": hist,
+            "accept_by_depth": accept_by_depth(hist, dec.tree.depth) if drafter is not None else None,
+            **_peak(device, start), "outputs": outputs}
+    del dec, drafter
+    return results
 
 
 def run_hf(pair: Pair, prompts, new_tokens: int, temperature: float, device: str) -> dict:
-    """transformers' own generate with eager attention; decode time = generate(n) - generate(1) per prompt."""
+    """transformers' own generate with eager attention; decode time = generate(n) - generate(1) per prompt. Out of
+    GPU memory (eager attention holds a context x context score matrix per head at the prefill), the result says
+    so instead."""
     target = pair.target
     previous = target.config._attn_implementation
     target.set_attn_implementation("eager")
     kw = dict(do_sample=temperature > 0, temperature=temperature if temperature > 0 else None, top_k=None,
               top_p=None, eos_token_id=None, pad_token_id=0)
+    start = _reset_peak(device)
     try:
         seconds, outputs = 0.0, []
         for i, ids in enumerate(prompts):
@@ -114,99 +171,182 @@ def run_hf(pair: Pair, prompts, new_tokens: int, temperature: float, device: str
                 times.append(time.perf_counter() - t0)
             seconds += max(times[1] - times[0], 1e-9)
             outputs.append(seq[:, ids.shape[1]:])
+    except torch.OutOfMemoryError as err:
+        seq = None
+        torch.cuda.empty_cache()
+        return {"tau": None, "tokens_per_s": None, "draft_bytes": 0, "tree_scratch_bytes": 0, "accept_hist": None,
+                "accept_by_depth": None, "peak_bytes": None, "peak_extra_bytes": None, "outputs": None,
+                "error": "out of memory: " + str(err).splitlines()[0][:160]}
     finally:
         target.set_attn_implementation(previous)
     return {"tau": 1.0, "tokens_per_s": (new_tokens - 1) * len(prompts) / seconds, "draft_bytes": 0,
-            "tree_scratch_bytes": 0, "outputs": outputs}
+            "tree_scratch_bytes": 0, "accept_hist": None, "accept_by_depth": None, **_peak(device, start),
+            "outputs": outputs}
 
 
 def bench(pair: Pair, contexts, n_prompts: int, new_tokens: int, temperatures, device: str, hf: bool,
           on_rows=None) -> list[dict]:
-    """Every method at every (context, temperature); ``on_rows(rows)`` is called after each such block (so a run
-    cut short keeps what it measured)."""
+    """Every method at every (context, temperature), contexts in the order given; ``on_rows(rows)`` is called
+    after each context (so a run cut short keeps what it measured)."""
     rows = []
     for ctx in contexts:
         prompts, packages = heldout_prompts(pair.heldout, pair.tokenizer, ctx, n_prompts, seed=ctx)
         prompts = [p.to(device) for p in prompts]
+        results = {t: {} for t in temperatures}
+        if hf:
+            for temperature in temperatures:
+                results[temperature][VANILLA_HF] = run_hf(pair, prompts, new_tokens, temperature, device)
+        for name, (factory, shape) in methods(pair).items():
+            for temperature, r in run_engine(pair, factory, shape, prompts, new_tokens, temperatures,
+                                             device).items():
+                results[temperature][name] = r
         for temperature in temperatures:
-            results = {}
-            if hf:
-                results[VANILLA_HF] = run_hf(pair, prompts, new_tokens, temperature, device)
-            for name, (factory, shape) in methods(pair).items():
-                results[name] = run_engine(pair, factory, shape, prompts, new_tokens, temperature, device)
-            base = results[VANILLA_FA]
+            base = results[temperature][VANILLA_FA]
             base_outputs = base["outputs"]
-            for name, r in results.items():
-                diffs = [first_difference(a, b) for a, b in zip(r.pop("outputs"), base_outputs)]
-                diffs = [d for d in diffs if d is not None]
-                same = not diffs
-                rows.append({"context": ctx, "T": temperature, "method": name, **r,
-                             "speedup_vs_FA": r["tokens_per_s"] / base["tokens_per_s"],
-                             "identical_to_FA": same, "first_difference": min(diffs) if diffs else None,
-                             "packages": packages})
+            for name, r in results[temperature].items():
+                outputs = r.pop("outputs")
+                if outputs is None:  # it did not run (out of memory)
+                    same, first = None, None
+                else:
+                    diffs = [d for d in (first_difference(a, b) for a, b in zip(outputs, base_outputs))
+                             if d is not None]
+                    same, first = not diffs, (min(diffs) if diffs else None)
+                speedup = r["tokens_per_s"] / base["tokens_per_s"] if r["tokens_per_s"] else None
+                rows.append({"context": ctx, "T": temperature, "method": name, **r, "speedup_vs_FA": speedup,
+                             "identical_to_FA": same, "first_difference": first, "packages": packages})
+                if r.get("error"):
+                    print(f"ctx {ctx:6d} T {temperature} {name:32s} {r['error']}", flush=True)
+                    continue
+                peak = f" peak {r['peak_bytes'] / 2**20:.0f} MB" if r["peak_bytes"] is not None else ""
                 print(f"ctx {ctx:6d} T {temperature} {name:32s} tau {r['tau']:.2f} "
-                      f"{r['tokens_per_s']:8.1f} tok/s x{rows[-1]['speedup_vs_FA']:.2f} same={same}", flush=True)
-            if on_rows is not None:
-                on_rows(rows)
+                      f"{r['tokens_per_s']:8.1f} tok/s x{speedup:.2f} same={same}{peak}", flush=True)
+        if on_rows is not None:
+            on_rows(rows)
     return rows
+
+
+def _mb(x):
+    return None if x is None else x / 2**20
 
 
 COLUMNS = [("context", "context", ""), ("T", "T", ""), ("method", "method", ""), ("tau", "tau", ".2f"),
            ("tokens_per_s", "tokens/s", ".1f"), ("speedup_vs_FA", "speedup vs FA", ".2f"),
+           ("peak_mb", "peak MB", ".0f"), ("peak_extra_mb", "peak over start MB", ".0f"),
            ("draft_mb", "draft MB", ".2f"), ("tree_scratch_mb", "tree scratch MB", ".2f"),
-           ("identical_to_FA", "same as FA", "")]
+           ("depth_acceptance", "accepted by depth", ""), ("identical_to_FA", "same as FA", ""),
+           ("identical_fp32", "same as FA, float32", "")]
 
 
-def write_results(rows: list[dict], meta: dict, out_dir: str | None) -> None:
-    """e2e.json / e2e.md (rows by context and temperature, methods in their order) and e2e.png."""
+def write_results(rows: list[dict], meta: dict, out_dir: str | None, env: dict | None = None,
+                  suite: str = "e2e") -> None:
+    """<suite>.json / .md (rows by context and temperature, methods in their order) and .png."""
     rows = sorted(rows, key=lambda r: (r["context"], r["T"]))  # stable: methods keep their order
-    table = [{**r, "draft_mb": r["draft_bytes"] / 2**20, "tree_scratch_mb": r["tree_scratch_bytes"] / 2**20}
-             for r in rows]
-    write_results_files("e2e", table, out_dir, meta=meta, title="Long-code completion, end to end", columns=COLUMNS,
-                        notes=["tau / decode tokens/s (prefill excluded) / speedup over Vanilla FA; `python -m "
-                               "benchmarks.bench_e2e`"], plot=plot_results)
+    table = [{**r, "draft_mb": r["draft_bytes"] / 2**20, "tree_scratch_mb": r["tree_scratch_bytes"] / 2**20,
+              "peak_mb": _mb(r.get("peak_bytes")), "peak_extra_mb": _mb(r.get("peak_extra_bytes")),
+              "depth_acceptance": "/".join(f"{a:.2f}" for a in r["accept_by_depth"])
+              if r.get("accept_by_depth") else "",
+              "identical_fp32": r.get("identical_fp32", "")} for r in rows]
+    write_results_files(suite, table, out_dir, meta=meta, title="Long-code completion, end to end", columns=COLUMNS,
+                        env=env, notes=["tau / decode tokens/s (prefill excluded) / speedup over Vanilla FA; peak "
+                                        "memory is everything allocated on the GPU during the method's run (weights "
+                                        "included) and its rise over the start; accepted by depth: the fraction of "
+                                        "rounds whose depth-d draft was accepted; `python -m benchmarks.bench_e2e`"],
+                        plot=plot_results)
+
+
+def merge_results(paths: list[str]) -> tuple[list[dict], dict, dict]:
+    """Rows of several e2e.json files (a run split over device calls): a later file's row replaces an earlier one
+    with the same (context, T, method). Returns (rows, meta, environment) with the first file's environment and
+    every file's meta under ``meta["merged"]``."""
+    rows: dict[tuple, dict] = {}
+    metas, env = [], None
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        env = env or data.get("environment")
+        metas.append({"file": os.path.basename(os.path.dirname(os.path.abspath(path))) + "/" +
+                      os.path.basename(path), **data.get("meta", {}),
+                      "git_sha": data.get("environment", {}).get("git_sha")})
+        for r in data["rows"]:
+            rows[(r["context"], r["T"], r["method"])] = r
+    return list(rows.values()), {"merged": metas}, env or {}
 
 
 def plot_results(rows: list[dict], out_path) -> None:
-    """tau and speedup over Vanilla FA against context, one panel per temperature (needs matplotlib)."""
+    """tau, speedup over Vanilla FA and peak memory against context, one column per temperature (needs
+    matplotlib)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     temps = sorted({r["T"] for r in rows})
-    methods = list(dict.fromkeys(r["method"] for r in rows if r["method"] != VANILLA_FA))
-    fig, axes = plt.subplots(2, len(temps), figsize=(6 * len(temps), 8), squeeze=False)
+    names = list(dict.fromkeys(r["method"] for r in rows))
+    panels = [("tau", "tau (tokens per target forward)"), ("speedup_vs_FA", "decode tokens/s over Vanilla FA"),
+              ("peak_bytes", "peak GPU memory, GiB")]
+    fig, axes = plt.subplots(len(panels), len(temps), figsize=(6 * len(temps), 4 * len(panels)), squeeze=False)
     for j, temperature in enumerate(temps):
-        for m in methods:
-            pts = sorted((r["context"], r["tau"], r["speedup_vs_FA"]) for r in rows
-                         if r["method"] == m and r["T"] == temperature)
-            if not pts:
-                continue
-            ctx = [p[0] for p in pts]
-            axes[0][j].plot(ctx, [p[1] for p in pts], marker="o", label=m)
-            axes[1][j].plot(ctx, [p[2] for p in pts], marker="o", label=m)
-        axes[0][j].set_title(f"T = {temperature}: tau (tokens per target forward)")
-        axes[1][j].set_title(f"T = {temperature}: decode tokens/s over Vanilla FA")
+        for m in names:
+            for i, (key, _) in enumerate(panels):
+                pts = sorted((r["context"], r[key]) for r in rows
+                             if r["method"] == m and r["T"] == temperature and r.get(key) is not None)
+                if key != "peak_bytes" and m == VANILLA_FA or not pts:
+                    continue
+                scale = 2**30 if key == "peak_bytes" else 1
+                axes[i][j].plot([p[0] for p in pts], [p[1] / scale for p in pts], marker="o", label=m)
+        for i, (key, title) in enumerate(panels):
+            axes[i][j].set_title(f"T = {temperature}: {title}")
+            axes[i][j].set_xscale("log", base=2)
+            axes[i][j].set_xlabel("prompt tokens")
+            axes[i][j].grid(alpha=0.3)
         axes[1][j].axhline(1.0, color="gray", lw=0.8)
-        for ax in (axes[0][j], axes[1][j]):
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("prompt tokens")
-            ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out_path, dpi=110)
+
+
+def annotate_fp32(rows: list[dict], fp32_rows: list[dict]) -> None:
+    """Set ``identical_fp32`` on every row that the float32 check also ran (same context, T and method)."""
+    same = {(r["context"], r["T"], r["method"]): r["identical_to_FA"] for r in fp32_rows}
+    for r in rows:
+        key = (r["context"], r["T"], r["method"])
+        if key in same:
+            r["identical_fp32"] = same[key]
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
+def check_contexts(pair_dir: str, contexts, new_tokens: int, flag: str = "--contexts") -> None:
+    """Refuse, before any weight is loaded, a context whose prompt plus generation exceeds the target's positions."""
+    with open(os.path.join(pair_dir, "target", "config.json")) as f:
+        limit = json.load(f).get("max_position_embeddings")
+    too_long = [c for c in contexts if limit is not None and c + new_tokens > limit]
+    if too_long:
+        raise ValueError(f"{flag} {' '.join(map(str, too_long))}: a prompt of that many tokens plus --new-tokens "
+                         f"{new_tokens} exceeds the target's max_position_embeddings ({limit})")
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pair", help="recipe output directory")
     ap.add_argument("--replot", metavar="E2E_JSON", help="only redraw e2e.png from an earlier run's e2e.json")
-    ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--merge", nargs="+", metavar="E2E_JSON",
+                    help="only combine the rows of runs split over several device calls into --out")
+    ap.add_argument("--contexts", type=_positive, nargs="+", default=[4096, 8192, 16384, 32768, 65536],
+                    help="prompt lengths, run in this order (put the ones that matter most first)")
+    ap.add_argument("--prompts", type=_positive, default=4)
+    ap.add_argument("--new-tokens", type=_positive, default=256)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--no-hf", action="store_true", help="skip Vanilla HF (slow at long context)")
+    ap.add_argument("--fp32-check", type=_positive, nargs="+", default=[], metavar="CONTEXT",
+                    help="then decode one prompt per context in float32 with every engine method and record whether "
+                         "each output equals Vanilla FA's (identical_fp32; e2e_fp32.json)")
+    ap.add_argument("--fp32-new-tokens", type=_positive, default=64)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="default: benchmarks/results/<gpu>/")
     a = ap.parse_args(argv)
@@ -214,14 +354,35 @@ def main(argv=None) -> None:
         with open(a.replot) as f:
             plot_results(json.load(f)["rows"], os.path.join(os.path.dirname(a.replot), "e2e.png"))
         return
+    if a.merge:
+        rows, meta, env = merge_results(a.merge)
+        write_results(rows, meta, a.out, env=env)
+        return
     if not a.pair:
-        ap.error("--pair is required (or --replot)")
+        ap.error("--pair is required (or --replot / --merge)")
+    if not os.path.isfile(os.path.join(a.pair, "recipe.json")):
+        ap.error(f"argument --pair: {a.pair!r} holds no recipe.json (the directory the recipe wrote)")
+    try:
+        check_contexts(a.pair, a.contexts, a.new_tokens)
+        check_contexts(a.pair, a.fp32_check, a.fp32_new_tokens, "--fp32-check")
+    except ValueError as err:
+        ap.error(str(err))
     dtype = torch.bfloat16 if a.device.startswith("cuda") else torch.float32
     pair = load_pair(a.pair, a.device, dtype)
     meta = {"device": a.device, "dtype": str(dtype), "prompts_per_context": a.prompts, "new_tokens": a.new_tokens}
     with torch.inference_mode():
-        bench(pair, a.contexts, a.prompts, a.new_tokens, a.temperatures, a.device, hf=not a.no_hf,
-              on_rows=lambda rows: write_results(rows, meta, a.out))
+        rows = bench(pair, a.contexts, a.prompts, a.new_tokens, a.temperatures, a.device, hf=not a.no_hf,
+                     on_rows=lambda rows: write_results(rows, meta, a.out))
+    if a.fp32_check:
+        del pair
+        pair32 = load_pair(a.pair, a.device, torch.float32)
+        meta32 = {**meta, "dtype": str(torch.float32), "prompts_per_context": 1, "new_tokens": a.fp32_new_tokens}
+        with torch.inference_mode():
+            fp32_rows = bench(pair32, a.fp32_check, 1, a.fp32_new_tokens, a.temperatures, a.device, hf=False)
+        write_results(fp32_rows, meta32, a.out, suite="e2e_fp32")
+        annotate_fp32(rows, fp32_rows)
+        write_results(rows, {**meta, "fp32_check": {"contexts": a.fp32_check, "new_tokens": a.fp32_new_tokens}},
+                      a.out)
 
 
 if __name__ == "__main__":

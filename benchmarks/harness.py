@@ -97,12 +97,13 @@ def markdown(title: str, rows: list[dict], env: dict, meta: Optional[dict] = Non
 def write_results(suite: str, rows: list[dict], out: Optional[str | os.PathLike] = None, *,
                   meta: Optional[dict] = None, title: Optional[str] = None, notes: Sequence[str] = (),
                   columns: Optional[Sequence[Column]] = None,
-                  plot: Optional[Callable[[list[dict], Path], None]] = None) -> Path:
+                  plot: Optional[Callable[[list[dict], Path], None]] = None, env: Optional[dict] = None) -> Path:
     """Write ``<suite>.json``, ``<suite>.md`` and (``plot(rows, path)``) ``<suite>.png`` under
-    :func:`results_dir` (``out``); returns the directory."""
+    :func:`results_dir` (``out``); returns the directory. ``env`` (default: this machine's :func:`environment`)
+    is for results measured elsewhere, e.g. merged from runs on a GPU machine."""
     d = results_dir(out)
     d.mkdir(parents=True, exist_ok=True)
-    env = environment()
+    env = env or environment()
     (d / f"{suite}.json").write_text(json.dumps({"environment": env, "meta": meta or {}, "rows": rows}, indent=1,
                                                 default=str))
     (d / f"{suite}.md").write_text(markdown(title or suite, rows, env, meta, notes, columns))

@@ -132,25 +132,39 @@ def test_tiny_recipe_in_stages_with_budgets_decodes_exactly(fake_site, tmp_path)
 
 def test_e2e_benchmark_on_the_tiny_pair(tmp_path, fake_site):
     """The end-to-end benchmark (run as its command, as on a GPU) runs every method on the tiny recipe's pair (with
-    ablation drafts) and, at T = 0 and T = 1 (seed-exact), every engine method reproduces Vanilla FA's tokens."""
+    ablation drafts) and, at T = 0 and T = 1 (seed-exact), every engine method reproduces Vanilla FA's tokens; the
+    drafters' per-depth acceptance adds up to their tau; the float32 check marks the rows it ran; contexts past the
+    target's positions are refused before anything loads."""
     from longspec.recipes.code_pair import run_recipe
 
     record = run_recipe(str(tmp_path), "tiny", roots=fake_site, device="cpu", ablations=True)
     assert set(record["ablations"]["steps_to_level"]) == {"draft", "draft_no_anchor", "draft_no_noisy"}
+    refused = subprocess.run([sys.executable, "-m", "benchmarks.bench_e2e", "--pair", str(tmp_path), "--contexts",
+                              "160", "4090", "--device", "cpu"], capture_output=True, text=True, timeout=120,
+                             cwd=Path(__file__).parents[2])
+    assert refused.returncode == 2 and "--contexts 4090" in refused.stderr  # 4090 + 256 new tokens > 4096
     cmd = [sys.executable, "-m", "benchmarks.bench_e2e", "--pair", str(tmp_path), "--contexts", "160",
            "--prompts", "1", "--new-tokens", "6", "--temperatures", "0", "1", "--device", "cpu",
-           "--out", str(tmp_path / "results")]
+           "--fp32-check", "160", "--fp32-new-tokens", "4", "--out", str(tmp_path / "results")]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[2],
                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads((tmp_path / "results" / "e2e.json").read_text())["rows"]
     methods = {r["method"] for r in rows}
     assert {"Vanilla HF", "Vanilla FA", "LongSpec tree", "LongSpec (no_anchor) tree", "PLD chain 6"} <= methods
+    assert len(rows) == 2 * len(methods)
     for r in rows:
         if r["method"] != "Vanilla HF":
-            assert r["identical_to_FA"], r
-        assert r["tau"] >= 1.0 and r["tokens_per_s"] > 0
+            assert r["identical_to_FA"] and r["identical_fp32"] is True, r
+            assert sum(r["accept_hist"]) >= 1
+            assert r["tau"] == pytest.approx(sum((i + 1) * c for i, c in enumerate(r["accept_hist"]))
+                                             / sum(r["accept_hist"]))
+        assert r["tau"] >= 1.0 and r["tokens_per_s"] > 0 and r["peak_bytes"] is None  # no GPU: not measured
     longspec = next(r for r in rows if r["method"] == "LongSpec tree")
     assert longspec["draft_bytes"] > 0 and longspec["tree_scratch_bytes"] > 0
+    assert len(longspec["accept_by_depth"]) == 5 and longspec["tau"] == pytest.approx(
+        1 + sum(longspec["accept_by_depth"]))
+    fp32 = json.loads((tmp_path / "results" / "e2e_fp32.json").read_text())["rows"]
+    assert {r["method"] for r in fp32} == methods - {"Vanilla HF"}
     table = [line for line in (tmp_path / "results" / "e2e.md").read_text().splitlines() if line.startswith("| ")]
     assert len(table) == len(rows) + 1  # the header, then one line per row
