@@ -1,7 +1,8 @@
 """End-to-end long-code completion with a trained pair: every method on held-out repository prompts.
 
 Input: the directory written by ``python -m longspec.recipes.code_pair --out DIR`` (``DIR/target`` with its
-tokenizer, the draft checkpoint(s) named in ``DIR/recipe.json``, ``DIR/corpus/heldout.jsonl``). For each context
+tokenizer, the draft checkpoint(s) named in ``DIR/recipe.json``, ``DIR/corpus/heldout.jsonl``), or an exported
+pair (the shipped ``longspec/assets/code-pair``) with ``--heldout`` the held-out split. For each context
 budget, temperature and method it decodes the same prompts and reports tau (tokens per target forward), decode
 tokens/s (prefill excluded), the speedup over Vanilla FA, peak GPU memory, the draft's persistent memory and the
 tree's scratch rows in the target cache, the per-depth acceptance of the drafters (the accept-length histogram is in
@@ -43,17 +44,22 @@ class Pair:
     heldout: str
 
 
-def load_pair(pair_dir: str, device: str, dtype: torch.dtype) -> Pair:
+def load_pair(pair_dir: str, device: str, dtype: torch.dtype, heldout: str | None = None) -> Pair:
+    """A recipe's output directory (its drafts, ablations included, and its held-out split), or an exported pair
+    (``target/``, ``draft/``, ``pair.json``: the shipped one) with the held-out split given as ``heldout``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with open(os.path.join(pair_dir, "recipe.json")) as f:
-        record = json.load(f)
     target_dir = os.path.join(pair_dir, "target")
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
-    checkpoints = record.get("ablations", {}).get("checkpoints") or {"draft": record["draft"]["checkpoint"]}
+    if os.path.isfile(os.path.join(pair_dir, "recipe.json")):
+        with open(os.path.join(pair_dir, "recipe.json")) as f:
+            record = json.load(f)
+        checkpoints = record.get("ablations", {}).get("checkpoints") or {"draft": record["draft"]["checkpoint"]}
+    else:
+        checkpoints = {"draft": os.path.join(pair_dir, "draft")}
     drafts = {name: LongSpecDraft.from_pretrained(path, target=target) for name, path in checkpoints.items()}
-    return Pair(target, tokenizer, drafts, os.path.join(pair_dir, "corpus", "heldout.jsonl"))
+    return Pair(target, tokenizer, drafts, heldout or os.path.join(pair_dir, "corpus", "heldout.jsonl"))
 
 
 def methods(pair: Pair) -> dict[str, tuple]:
@@ -334,6 +340,8 @@ def check_contexts(pair_dir: str, contexts, new_tokens: int, flag: str = "--cont
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pair", help="recipe output directory")
+    ap.add_argument("--heldout", default=None, metavar="JSONL",
+                    help="held-out split (needed with an exported pair, e.g. longspec/assets/code-pair)")
     ap.add_argument("--replot", metavar="E2E_JSON", help="only redraw e2e.png from an earlier run's e2e.json")
     ap.add_argument("--merge", nargs="+", metavar="E2E_JSON",
                     help="only combine the rows of runs split over several device calls into --out")
@@ -360,22 +368,29 @@ def main(argv=None) -> None:
         return
     if not a.pair:
         ap.error("--pair is required (or --replot / --merge)")
-    if not os.path.isfile(os.path.join(a.pair, "recipe.json")):
-        ap.error(f"argument --pair: {a.pair!r} holds no recipe.json (the directory the recipe wrote)")
+    exported = os.path.isfile(os.path.join(a.pair, "pair.json"))
+    if not os.path.isfile(os.path.join(a.pair, "recipe.json")) and not exported:
+        ap.error(f"argument --pair: {a.pair!r} holds neither recipe.json (the directory the recipe wrote) nor "
+                 "pair.json (an exported pair)")
+    if a.heldout is None and not os.path.isfile(os.path.join(a.pair, "recipe.json")):
+        ap.error(f"argument --heldout: an exported pair ({a.pair}) needs the held-out split's jsonl "
+                 "(longspec.train.corpus.build_corpus(DIR, splits=('heldout',)) writes DIR/heldout.jsonl)")
+    if a.heldout is not None and not os.path.isfile(a.heldout):
+        ap.error(f"argument --heldout: {a.heldout!r} is not a file")
     try:
         check_contexts(a.pair, a.contexts, a.new_tokens)
         check_contexts(a.pair, a.fp32_check, a.fp32_new_tokens, "--fp32-check")
     except ValueError as err:
         ap.error(str(err))
     dtype = torch.bfloat16 if a.device.startswith("cuda") else torch.float32
-    pair = load_pair(a.pair, a.device, dtype)
+    pair = load_pair(a.pair, a.device, dtype, a.heldout)
     meta = {"device": a.device, "dtype": str(dtype), "prompts_per_context": a.prompts, "new_tokens": a.new_tokens}
     with torch.inference_mode():
         rows = bench(pair, a.contexts, a.prompts, a.new_tokens, a.temperatures, a.device, hf=not a.no_hf,
                      on_rows=lambda rows: write_results(rows, meta, a.out))
     if a.fp32_check:
         del pair
-        pair32 = load_pair(a.pair, a.device, torch.float32)
+        pair32 = load_pair(a.pair, a.device, torch.float32, a.heldout)
         meta32 = {**meta, "dtype": str(torch.float32), "prompts_per_context": 1, "new_tokens": a.fp32_new_tokens}
         with torch.inference_mode():
             fp32_rows = bench(pair32, a.fp32_check, 1, a.fp32_new_tokens, a.temperatures, a.device, hf=False)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from longspec.pretrained import PAIR_DIR
 from longspec.train.corpus import build_corpus, heldout_prompts, is_heldout, iter_records
 from longspec.train.tokenizer import EOS_TOKEN, train_bpe_tokenizer
 from tests.train.conftest import PACKAGES
@@ -143,6 +144,9 @@ def test_e2e_benchmark_on_the_tiny_pair(tmp_path, fake_site):
                               "160", "4090", "--device", "cpu"], capture_output=True, text=True, timeout=120,
                              cwd=Path(__file__).parents[2])
     assert refused.returncode == 2 and "--contexts 4090" in refused.stderr  # 4090 + 256 new tokens > 4096
+    shipped = subprocess.run([sys.executable, "-m", "benchmarks.bench_e2e", "--pair", str(PAIR_DIR), "--device",
+                              "cpu"], capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2])
+    assert shipped.returncode == 2 and "--heldout" in shipped.stderr  # an exported pair needs the held-out split
     cmd = [sys.executable, "-m", "benchmarks.bench_e2e", "--pair", str(tmp_path), "--contexts", "160",
            "--prompts", "1", "--new-tokens", "6", "--temperatures", "0", "1", "--device", "cpu",
            "--fp32-check", "160", "--fp32-new-tokens", "4", "--out", str(tmp_path / "results")]
@@ -164,6 +168,20 @@ def test_e2e_benchmark_on_the_tiny_pair(tmp_path, fake_site):
     assert longspec["draft_bytes"] > 0 and longspec["tree_scratch_bytes"] > 0
     assert len(longspec["accept_by_depth"]) == 5 and longspec["tau"] == pytest.approx(
         1 + sum(longspec["accept_by_depth"]))
+    # the real-size projection: measured tau x measured plain step / measured round
+    steps = {"meta": {}, "rows": [{"model": "M", "context": 160, "compile": True, "decode_wall_us": 1000.0,
+                                   "round_wall_us": 2000.0}]}
+    (tmp_path / "steps.json").write_text(json.dumps(steps))
+    proj = subprocess.run([sys.executable, "-m", "benchmarks.project_speedup", "--e2e",
+                           str(tmp_path / "results" / "e2e.json"), "--steps", str(tmp_path / "steps.json"),
+                           "--context", "160", "--out", str(tmp_path / "proj")], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).parents[2])
+    assert proj.returncode == 0, proj.stderr[-2000:]
+    projected = json.loads((tmp_path / "proj" / "projection.json").read_text())["rows"]
+    assert [r["T"] for r in projected] == [0.0, 1.0]
+    for r in projected:
+        assert r["speedup"] == pytest.approx(r["tau"] / 2) and r["tau"] == pytest.approx(
+            next(x["tau"] for x in rows if x["method"] == "LongSpec tree" and x["T"] == r["T"]))
     fp32 = json.loads((tmp_path / "results" / "e2e_fp32.json").read_text())["rows"]
     assert {r["method"] for r in fp32} == methods - {"Vanilla HF"}
     table = [line for line in (tmp_path / "results" / "e2e.md").read_text().splitlines() if line.startswith("| ")]
