@@ -45,7 +45,7 @@ SMOKE_TREE = (2, 2)
 PLAIN, PLD, LONGSPEC_TREE, LONGSPEC_CHAIN = "plain", "PLD chain", "LongSpec tree", "LongSpec chain"
 FIXED = (PLD, LONGSPEC_TREE, LONGSPEC_CHAIN)
 ADAPTIVE = "adaptive LongSpec+PLD"
-MERGED_BUDGETS, MERGED_DEPTHS = (8, 16, 32, 48), (3,)  # the adaptive merged drafter's options (a few dozen)
+MERGED_BUDGETS, MERGED_DEPTHS = (16, 32, 48), (3,)  # the adaptive merged drafter's options (about twenty)
 PROJ_BUDGETS, PROJ_DEPTHS = (4, 8, 16, 32, 48), (3,)  # the projection's options, on the LongSpec tree alone
 
 
@@ -169,7 +169,9 @@ def option_taus(pair, prompts_by_ctx, new_tokens: int, device: str, tree: tuple)
     """Per context: every projection option's expected tau on the shipped pair (T = 0), from a LongSpec decoder
     that verifies the whole tree every round (its costs say so) while its statistics score every option."""
     options = default_options(TreeSpec(tree), PROJ_BUDGETS, PROJ_DEPTHS)
-    flat = CostModel({1: {o.nodes: (1000.0, 0.0) for o in options}}, {1: {o.draft_key: (0.0, 0.0) for o in options}})
+    # every tree option costs the same and plain rounds more, so the whole tree (the highest tau) is always chosen
+    flat = CostModel({1: {o.nodes: (2000.0 if o.spec is None else 1000.0, 0.0) for o in options}},
+                     {1: {o.draft_key: (0.0, 0.0) for o in options}})
     budget = proj_budget(flat, explore_every=0)
     dec = SpeculativeDecoder(pair.target, LongSpecDrafter(pair.draft), tree_shape=tree,
                              cuda_graphs=device.startswith("cuda"), budget=budget)
@@ -266,7 +268,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     ap.add_argument("--prompts", type=int, default=2)
-    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--proj-contexts", type=int, nargs="+", default=[8192, 16384, 32768, 65536, 131072])
     ap.add_argument("--proj-batches", type=int, nargs="+", default=[1, 4, 16])

@@ -38,6 +38,9 @@ class TreeSpec:
     # depth_tensor's per-device copies: building one from a Python list is a host-to-device copy, which syncs the
     # stream and cannot run inside a CUDA-graph capture, so it happens once per device
     _depth_tensors: dict = field(init=False, default_factory=dict, repr=False, compare=False, hash=False)
+    # part_specs' layouts, made once: each keeps its own depth_tensor copies, so a captured propose of a merged tree
+    # never copies from the host inside the capture
+    _parts: list = field(init=False, default_factory=list, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         shape = tuple(int(s) for s in self.shape)
@@ -86,7 +89,9 @@ class TreeSpec:
         """Each part's own layout (None for a part that sits out); ``[self]`` for a single drafter."""
         if not self.parts:
             return [self]
-        return [TreeSpec(p) if p else None for p in self.parts]
+        if not self._parts:
+            self._parts.extend(TreeSpec(p) if p else None for p in self.parts)
+        return list(self._parts)
 
     def part_nodes(self) -> list[list[int]]:
         """For every part, the merged index of each of its nodes (its own level order, root first: index 0)."""
