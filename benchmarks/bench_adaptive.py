@@ -36,7 +36,7 @@ import torch
 from benchmarks.harness import write_results
 from longspec import (AdaptiveBudget, LongSpecDraft, LongSpecDrafter, MergedDrafter, PromptLookupDrafter,
                       SpeculativeDecoder, TreeSpec)
-from longspec.decode.budget import BudgetOption, CostModel, default_options, sampling_key
+from longspec.decode.budget import CostModel, default_options, sampling_key
 from longspec.decode.sampling import SamplingParams
 from longspec.testing import first_difference, published_target
 
@@ -242,7 +242,8 @@ def project(costs: CostModel, taus: dict[int, list[float]], contexts, batches, t
                 tau = 1.0 if options[i].spec is None else curve[i]
                 return tau * base / costs.round_us(options[i], ctx, batch)
 
-            rows.append({"context": ctx, "batch": batch, "tau_from_context": near, "adaptive_option": options[pick].label,
+            rows.append({"context": ctx, "batch": batch, "tau_from_context": near,
+                         "adaptive_option": options[pick].label,
                          "tau_adaptive": 1.0 if pick == plain else curve[pick], "tau_fixed69": curve[fixed],
                          "round_us_fixed69": costs.round_us(options[fixed], ctx, batch), "round_us_plain": base,
                          "speedup_adaptive": speedup(pick), "speedup_fixed69": speedup(fixed),
@@ -314,10 +315,11 @@ def main(argv=None) -> None:
         torch.cuda.empty_cache()
     by_layers = {L: measure_costs(L, a.proj_batches, a.proj_contexts, a.device, a.reps, tree, overrides)
                  for L in a.proj_layers}
-    costs = extrapolate(by_layers, overrides.get("num_hidden_layers", 32))
-    out_dir = write_results("adaptive_projection", project(costs, taus, a.proj_contexts, a.proj_batches, tree), a.out,
+    costs = extrapolate(by_layers, 32)
+    rows = project(costs, taus, a.proj_contexts, a.proj_batches, tree)
+    out_dir = write_results("adaptive_projection", rows, a.out,
                             meta={**meta, "layers_timed": a.proj_layers, "total_s": round(time.perf_counter() - t_start)},
-                            columns=PROJ_COLUMNS, title="Adaptive budget vs the fixed 69-node tree at Llama-3-8B shapes",
+                            columns=PROJ_COLUMNS, title="Adaptive budget vs the fixed tree at Llama-3-8B shapes",
                             notes=["Projected: measured round costs (layers extrapolated to 32), expected tau of every "
                                    "option from the shipped pair's acceptance statistics (T = 0)."])
     costs.save(out_dir / "llama3_8b_costs.json")

@@ -267,8 +267,8 @@ class AdaptiveBudget:
     ``SpeculativeDecoder(..., budget=AdaptiveBudget())``.
     """
 
-    def __init__(self, costs: CostModel | str | os.PathLike | None = None, budgets: Sequence[int] = (2, 4, 8, 16, 32, 64),
-                 depths: Sequence[int] = (2, 3, 5), options: Optional[Sequence[BudgetOption]] = None,
+    def __init__(self, costs: CostModel | str | os.PathLike | None = None,
+                 budgets: Sequence[int] = (2, 4, 8, 16, 32, 64), depths: Sequence[int] = (2, 3, 5), options: Optional[Sequence[BudgetOption]] = None,
                  explore_every: int = 32, cache_dir: Optional[str | os.PathLike] = None) -> None:
         if costs is not None and not isinstance(costs, CostModel):
             costs = CostModel.load(costs)

@@ -17,7 +17,7 @@ from longspec.decode.budget import BudgetOption, CostModel, default_options, fit
 from longspec.decode.drafter import DraftTree
 from longspec.decode.merge import merge_trees
 from longspec.decode.sampling import SamplingParams
-from longspec.decode.tree import complete_tree, prune_tree, tree_mask_from_parents
+from longspec.decode.tree import complete_tree, prune_tree
 from longspec.decode.verify import accept_tree, node_draws
 
 from .test_tree import naive_mask, random_parents
