@@ -11,18 +11,22 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "AdaptiveBudget": "longspec.decode",
     "LongSpecDraft": "longspec.model.draft",
     "LongSpecDraftConfig": "longspec.model.draft",
     "LongSpecDrafter": "longspec.decode.longspec_drafter",
+    "MergedDrafter": "longspec.decode",
     "PromptLookupDrafter": "longspec.decode",
     "SpeculativeDecoder": "longspec.decode",
     "StreamingSelfDrafter": "longspec.decode",
+    "TreeSpec": "longspec.decode",
 }
 
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
-    from .decode import PromptLookupDrafter, SpeculativeDecoder, StreamingSelfDrafter
+    from .decode import (AdaptiveBudget, MergedDrafter, PromptLookupDrafter, SpeculativeDecoder, StreamingSelfDrafter,
+                         TreeSpec)
     from .decode.longspec_drafter import LongSpecDrafter
     from .model.draft import LongSpecDraft, LongSpecDraftConfig
 

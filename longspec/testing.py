@@ -74,13 +74,15 @@ PUBLISHED_CONFIGS = {
 
 
 def published_target(name: str, device: str | torch.device = "cuda", max_positions: int = 262144,
-                     dtype: torch.dtype = torch.bfloat16):
+                     dtype: torch.dtype = torch.bfloat16, **overrides):
     """A random-weight causal LM of a published shape (:data:`PUBLISHED_CONFIGS`), eval mode, built on ``device``
     (``"meta"`` allocates nothing). ``max_position_embeddings`` is raised to ``max_positions`` (the long-context
-    variants LongSpec used, e.g. Llama-3-8B-Instruct-262k); a step's cost does not depend on the weights."""
+    variants LongSpec used, e.g. Llama-3-8B-Instruct-262k); a step's cost does not depend on the weights.
+    ``overrides`` replace config fields (e.g. ``num_hidden_layers=4``: a few of the model's layers, to time a
+    per-layer cost where the whole model's cache would not fit)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    values = dict(PUBLISHED_CONFIGS[name])
+    values = {**PUBLISHED_CONFIGS[name], **overrides}
     cfg = AutoConfig.for_model(values.pop("model_type"), **values, max_position_embeddings=max_positions)
     torch.manual_seed(0)
     with torch.device(device):

@@ -47,13 +47,14 @@ from longspec.model.target import (
     use_longspec_attention,
 )
 
+from .budget import AcceptanceStats, AdaptiveBudget, CostModel, fit_line, root_tree, sampling_key
 from .drafter import DecodeState, DraftTree, Drafter, TreeSpec
 from .graphs import CapturedCall, CapturedDraft
 from .prompt import Prompt, eos_ids, output_sequences, pad_id, prepare_prompt
 from .sampling import SamplingParams, sample_tokens, seed_words
 from .stats import DecodeStats, PhaseTimer, accept_lengths, collect_stats
 from .tail import TAIL
-from .tree import prefix_tree_mask, tree_mask_from_parents, tree_positions
+from .tree import complete_tree, prefix_tree_mask, tree_positions
 
 Streamer = Callable[[Tensor, Tensor], None]
 
@@ -103,9 +104,18 @@ class Run:
     generator: Optional[torch.Generator]
     pending: Tensor  # int64 [B] (REFEED) rows [seqlens - pending, seqlens) held by the last layer only
     history: list[Tensor] = field(default_factory=list)  # per round: int64 [B] tokens emitted
-    draft_graph: Optional[CapturedDraft] = None  # the captured propose of this call (cuda_graphs only)
-    tail: Optional[CapturedCall] = None  # this call's round tail as a CUDA graph (cuda_graphs only)
+    nodes: list[int] = field(default_factory=list)  # per round: the verified tree's node count
+    predicted: list[Tensor] = field(default_factory=list)  # per drafted round under a budget: expected tau []
+    draft_graphs: dict = field(default_factory=dict)  # option index (None: the fixed tree) -> CapturedDraft
+    tails: dict = field(default_factory=dict)  # (tail name, nodes) -> this call's round tail as a CUDA graph
     seed: Optional[Tensor] = None  # int64 [2]: params.seed as data (seed_words), when seeded
+    # adaptive budget (SpeculativeDecoder(budget=...)): statistics, and what the last sync read for the choice
+    stats: Optional[AcceptanceStats] = None
+    context: float = 0.0  # mean committed length of the active rows
+    curve: list = field(default_factory=list)  # each option's running expected tau
+    seen: list = field(default_factory=list)  # whether it has one
+    since_largest: int = 0  # rounds since the largest option was verified
+    stale: bool = False  # the drafter sat out a round and has no observe(): prefill it before it drafts again
 
     @property
     def noise_generator(self) -> Optional[torch.Generator]:
@@ -119,7 +129,9 @@ class SpeculativeDecoder:
     Args:
         target: the model to decode (any dtype/device; it is run in eval semantics under ``inference_mode``).
         drafter: a :class:`~longspec.decode.drafter.Drafter` or None for plain decoding on the same kernels.
-        tree_shape: nodes per depth (``(4, 16, 16, 16, 16)``: 69 nodes with the root; a chain is ``(1, 1, 1, 1)``).
+        tree_shape: nodes per depth (``(4, 16, 16, 16, 16)``: 69 nodes with the root; a chain is ``(1, 1, 1, 1)``),
+            or a :class:`~longspec.decode.drafter.TreeSpec` (``TreeSpec.merged(...)`` for a
+            :class:`~longspec.decode.merge.MergedDrafter`).
         cuda_graphs: replay every round from CUDA graphs (CUDA only): the target's decode / verify forwards
             (captured once per decoder), the drafter's ``propose`` when it offers ``graph_state()`` (all three
             built-in drafters do) and the round's tail (captured once per ``generate`` call).
@@ -132,6 +144,11 @@ class SpeculativeDecoder:
         kv_update: :class:`KVUpdate` strategy for the accepted path's K/V (COMMIT by default).
         phase_times: split each call's decoding time into draft / verify / accept in its
             :class:`~longspec.decode.stats.DecodeStats` (CUDA events around the phases; off: no cost at all).
+        budget: an :class:`~longspec.decode.budget.AdaptiveBudget`: each round verifies the tree (a plain step, or
+            the drafter's tree cut to a depth limit and pruned to its most promising nodes, per row) with the
+            highest expected tokens per second; None verifies the whole ``tree_shape`` tree every round. Its cost
+            model is calibrated at the first ``generate`` of each batch size unless given (see
+            :meth:`calibrate`).
 
     The decoder keeps its KV cache between ``generate`` calls (reused when big enough, so captured CUDA graphs stay
     valid); one decoder serves one call at a time.
@@ -154,6 +171,7 @@ class SpeculativeDecoder:
         kv_update: KVUpdate = KVUpdate.COMMIT,
         compile: bool = False,
         phase_times: bool = False,
+        budget: Optional[AdaptiveBudget] = None,
     ) -> None:
         check_supported(target)
         _check_drafter(target, drafter, kv_update)
@@ -162,7 +180,14 @@ class SpeculativeDecoder:
         self.target = target
         self.kv_update = kv_update
         self.drafter = drafter
-        self.tree = TreeSpec(tuple(tree_shape))
+        self.tree = tree_shape if isinstance(tree_shape, TreeSpec) else TreeSpec(tuple(tree_shape))
+        if budget is not None and not isinstance(budget, AdaptiveBudget):
+            raise TypeError(f"budget must be an AdaptiveBudget or None, got {type(budget).__name__}")
+        if budget is not None and drafter is None:
+            raise ValueError("budget needs a drafter (plain decoding has no tree to budget)")
+        if budget is not None:
+            budget.bind(self.tree)
+        self.budget = budget
         self.cuda_graphs = bool(cuda_graphs)
         self.prefill_chunk_size = prefill_chunk_size
         self.max_cache_len = max_cache_len
@@ -210,6 +235,8 @@ class SpeculativeDecoder:
         check_generation_length(self.target, total)
         eos = eos_ids(eos_token_id, self.target)
         timer = PhaseTimer(device, enabled=self.phase_times)
+        if self.budget is not None:
+            self._ensure_costs(prompt.tokens.shape[0], total)
         t0 = time.perf_counter()
         with torch.inference_mode(), use_longspec_attention(self.target):
             run = self._start(prompt, params, eos, max_new_tokens, generator)
@@ -217,14 +244,14 @@ class SpeculativeDecoder:
                 streamer(run.state.root[:, None], torch.ones_like(run.generated))
             with self._compiled_layers():
                 t1 = None
-                while bool(run.state.active.any()):  # the round's one host sync
+                while self._sync(run):  # the round's one host sync
                     t1 = t1 or time.perf_counter()  # the first sync closes the prefill
                     self._round(run, timer, streamer)
             t1 = t1 or time.perf_counter()
             sequences = output_sequences(input_ids.to(device), prompt, run.state.tokens, run.generated,
                                          pad_id(self.target, eos))
         t2 = time.perf_counter()
-        stats = collect_stats(run.history, run.generated, timer, t1 - t0, t2 - t1)
+        stats = collect_stats(run.history, run.generated, timer, t1 - t0, t2 - t1, run.nodes, run.predicted)
         return GenerateOutput(sequences, accept_lengths(run.history, run.generated.shape[0]), stats)
 
     # -- phases ---------------------------------------------------------------------------------------------------
@@ -248,11 +275,13 @@ class SpeculativeDecoder:
         cache.seqlens.copy_(lens.to(torch.int32))
         tokens.scatter_(1, lens[:, None], root[:, None])
         active = ~torch.isin(root, eos) & (max_new > 1)
-        state = DecodeState(self.target, cache, tokens, root, active)
+        state = DecodeState(self.target, cache, tokens, root, active, max_depth=self.tree.depth)
         zeros = torch.zeros(root.shape[0], dtype=torch.int64, device=root.device)
         run = Run(state, params, eos, max_new, zeros + 1, generator, pending=zeros.clone())
         if params.seed is not None:
             run.seed = seed_words(params.seed, root.device)
+        if self.budget is not None:
+            run.stats = self.budget.stats_for(sampling_key(params), root.device)
         # the token buffer's width changes with every request: one dynamic dimension, not one compile per width
         torch._dynamo.maybe_mark_dynamic(tokens, 1)
         if self.drafter is not None:
@@ -284,10 +313,52 @@ class SpeculativeDecoder:
         with torch.inference_mode(), use_longspec_attention(self.target), self._compiled_layers():
             yield
 
-    def step(self, run: Run, timer: Optional[PhaseTimer] = None) -> None:
+    def step(self, run: Run, timer: Optional[PhaseTimer] = None, option: Optional[int] = None) -> None:
         """One round of ``run`` on the device, with no host sync: what :meth:`generate` repeats. Call it inside
-        :meth:`rounds`; ``timer`` (a :class:`~longspec.decode.stats.PhaseTimer`) collects its phases' times."""
-        self._round(run, timer or PhaseTimer(run.state.root.device, enabled=False), None)
+        :meth:`rounds`; ``timer`` (a :class:`~longspec.decode.stats.PhaseTimer`) collects its phases' times;
+        ``option`` (an index into ``budget.options``) forces the adaptive budget's choice."""
+        self._round(run, timer or PhaseTimer(run.state.root.device, enabled=False), None, option)
+
+    def calibrate(self, batch: int, contexts: Sequence[int], reps: int = 3) -> CostModel:
+        """Measure the adaptive budget's costs on this device: every option's round at each committed length in
+        ``contexts`` (a synthetic run, as :meth:`synthetic_run`), split by phase into draft (per draft variant) and
+        verify + tail (per node count); each fitted as ``a + b * context``. Runs outside ``generate``."""
+        budget = self.budget
+        if budget is None:
+            raise ValueError("calibrate needs a decoder built with budget=AdaptiveBudget(...)")
+        options = budget.options
+        run = self.synthetic_run(max(contexts), batch, rounds=len(options) * (reps + 1) * len(contexts) + 2)
+        run.stats = AcceptanceStats(max(1, len(self.tree.parts)), self.tree.depth, len(options), run.state.root.device)
+        verify: dict[int, list] = {}
+        draft: dict[str, list] = {}
+        with self.rounds():
+            for context in contexts:
+                for i, option in enumerate(options):
+                    run.state.cache.seqlens.fill_(context)
+                    self.step(run, option=i)  # captures, compiles
+                    timer = PhaseTimer(run.state.root.device)
+                    for _ in range(reps):
+                        self.step(run, timer, option=i)
+                    us = {k: v * 1e6 / reps for k, v in timer.seconds().items()}
+                    verify.setdefault(option.nodes, []).append((context, us["verify"] + us["accept"]))
+                    draft.setdefault(option.draft_key, []).append((context, us["draft"]))
+        return CostModel({batch: {n: fit_line(p) for n, p in verify.items()}},
+                         {batch: {k: fit_line(p) for k, p in draft.items()}},
+                         {"device": str(run.state.root.device), "contexts": list(contexts), "reps": reps})
+
+    def _ensure_costs(self, batch: int, extent: int) -> None:
+        """Make sure the budget has costs for this batch: given, cached on disk, or calibrated now (and cached)."""
+        budget = self.budget
+        if budget.costs is not None and budget.costs.covers(batch, budget.options):
+            return
+        path = budget.cost_file(self)
+        costs = budget.costs or CostModel()
+        if path.is_file():
+            costs.update(CostModel.load(path))
+        if not costs.covers(batch, budget.options):
+            costs.update(self.calibrate(batch, sorted({max(1, extent // 4), extent})))
+            costs.save(path)
+        budget.costs = costs
 
     def _compiled_layers(self) -> contextlib.AbstractContextManager:
         return self._compiled.active() if self._compiled is not None else contextlib.nullcontext()
@@ -307,54 +378,90 @@ class SpeculativeDecoder:
             hidden_last = picked if hidden_last is None else torch.where(in_chunk, picked, hidden_last)
         return lm_logits(self.target, hidden_last)
 
-    def _round(self, run: Run, timer: PhaseTimer, streamer: Optional[Streamer]) -> None:
-        """One round on the device: [propose,] target forward, tail. No host sync (the caller reads ``active``)."""
+    def _sync(self, run: Run) -> bool:
+        """The round's one host sync: whether any row is still active; under a budget the same read also brings
+        the committed length and every option's running expected tau for the next choice."""
+        state, stats = run.state, run.stats
+        if stats is None:
+            return bool(state.active.any())
+        active = state.active.float()
+        n = active.sum()
+        values = torch.cat([n[None], ((state.seqlens.float() * active).sum() / n.clamp(min=1))[None], stats.curve,
+                            stats.seen.float()]).tolist()
+        k = len(stats.curve)
+        run.context, run.curve, run.seen = values[1], values[2: 2 + k], [v > 0 for v in values[2 + k:]]
+        return values[0] > 0
+
+    def _round(self, run: Run, timer: PhaseTimer, streamer: Optional[Streamer], option: Optional[int] = None) -> None:
+        """One round on the device: [draft,] target forward, tail. No host sync (the caller reads ``active``)."""
         if self.drafter is None:
             with timer.phase("verify"):
                 logits = self._forward("decode", self._decode_logits)(run.state.root[:, None])
             with timer.phase("accept"):
                 emitted, kept = self._tail(run, "plain", logits)
         else:
+            index = self._choose(run) if option is None else option
             with timer.phase("draft"):
-                draft = self._propose(run)
+                draft, predicted = self._draft(run, index)
             with timer.phase("verify"):
-                mask = self._tree_mask(run, draft)
-                logits = self._verify_logits(run, draft.tokens, mask)
+                logits = self._verify_logits(run, draft.tokens, draft.mask, draft.depths)
             with timer.phase("accept"):
-                emitted, kept = self._tail(run, "accept", logits, draft.tokens, draft.parents, mask)
+                inputs = (draft.tokens, draft.parents, draft.mask, draft.depths)
+                if run.stats is not None:
+                    inputs += (draft.scores, draft.sources)
+                emitted, kept = self._tail(run, "accept", logits, *inputs)
+            run.nodes.append(draft.tokens.shape[1])
+            if predicted is not None:
+                run.predicted.append(predicted.clone())  # a static graph output under graphs, like `kept`
         run.history.append(kept.clone())  # under graphs `kept` is the tail's static output, rewritten next round
         if streamer is not None:
             streamer(emitted, kept)
 
-    def _propose(self, run: Run) -> DraftTree:
-        """The drafter's tree; under CUDA graphs when enabled and the drafter offers ``graph_state`` (captured on
-        the first round of each generate call)."""
-        graphable = self.cuda_graphs and hasattr(self.drafter, "graph_state") and run.state.root.is_cuda
-        if not graphable:
-            return self._propose_fn(run.state, self.tree)
-        if run.draft_graph is None:
-            run.draft_graph = CapturedDraft(self._propose_fn, self.drafter, run.state, self.tree)
-        return run.draft_graph()
+    def _choose(self, run: Run) -> Optional[int]:
+        """The budget's option for this round (None: the fixed tree), from what the last sync read."""
+        if self.budget is None:
+            return None
+        index = self.budget.choose(run.context, run.state.root.shape[0], run.curve, run.seen, run.since_largest)
+        run.since_largest = 0 if index == self.budget.largest else run.since_largest + 1
+        return index
 
-    def _tree_mask(self, run: Run, draft: DraftTree) -> Tensor:
-        """The draft's ancestor-or-self mask: the drafter's own when it built one, else built from the parents."""
-        B, T = run.state.root.shape[0], self.tree.num_nodes
-        if draft.tokens.shape != (B, T) or draft.parents.shape != (B, T):
-            raise ValueError(f"the drafter must propose tokens and parents of shape [B, {T}], got "
-                             f"{tuple(draft.tokens.shape)} and {tuple(draft.parents.shape)}")
-        if draft.mask is None:
-            return tree_mask_from_parents(draft.parents, self.tree)
-        if draft.mask.shape != (B, T, T) or draft.mask.dtype != torch.bool:
-            raise ValueError(f"the drafter's tree mask must be bool [B, {T}, {T}], got {draft.mask.dtype} "
-                             f"{tuple(draft.mask.shape)}")
-        return draft.mask
+    def _draft(self, run: Run, index: Optional[int]) -> tuple[DraftTree, Optional[Tensor]]:
+        """The round's complete tree (and, under a budget, its expected tau): the drafter's tree, or the budget's
+        option ``index`` of it. Under CUDA graphs when enabled and the drafter offers ``graph_state``: one graph
+        per option, captured on its first round of each generate call."""
+        plain = index is not None and self.budget.options[index].spec is None
+        if plain and not hasattr(self.drafter, "observe"):
+            run.stale = True  # it will miss this round's tokens
+        elif not plain and run.stale:
+            self.drafter.prefill(run.state, self.tree)  # may reallocate its state: recapture its graphs
+            run.stale, run.draft_graphs = False, {}
+        fn = functools.partial(self._draft_body, run, index)
+        if not (self.cuda_graphs and hasattr(self.drafter, "graph_state") and run.state.root.is_cuda):
+            return fn()
+        if index not in run.draft_graphs:
+            mutated = self.drafter.graph_state() + (run.stats.tensors() if run.stats is not None else [])
+            run.draft_graphs[index] = CapturedDraft(fn, mutated)
+        return run.draft_graphs[index]()
 
-    def _verify_logits(self, run: Run, tokens: Tensor, mask: Tensor) -> Tensor:
-        """Target logits ``[B, T, V]`` at every node of the tree ``tokens`` (int64 ``[B, T]``) under ``mask``."""
+    def _draft_body(self, run: Run, index: Optional[int]) -> tuple[DraftTree, Optional[Tensor]]:
+        state = run.state
+        if index is None:
+            return complete_tree(self._propose_fn(state, self.tree), self.tree), None
+        spec = self.budget.options[index].spec
+        if spec is None:  # a plain round: the root alone; the drafter only catches up
+            if hasattr(self.drafter, "observe"):
+                self.drafter.observe(state, self.tree)
+            return root_tree(state.root), torch.ones((), device=state.root.device)
+        pool = complete_tree(self._propose_fn(state, spec), spec)
+        return self.budget.shape(run.stats, pool, index, state.active)
+
+    def _verify_logits(self, run: Run, tokens: Tensor, mask: Tensor, depths: Tensor) -> Tensor:
+        """Target logits ``[B, T, V]`` at every node of the tree ``tokens`` (int64 ``[B, T]``) under ``mask``, its
+        nodes at depths ``depths`` (int64 ``[B, T]``)."""
         if self.kv_update is KVUpdate.REFEED:
             pending = run.state.tokens.gather(1, self._pending_columns(run))
-            return self._forward("verify", self._refeed_tree_logits)(pending, run.pending, tokens, mask)
-        return self._forward("verify", self._tree_logits)(tokens, mask)
+            return self._forward("verify", self._refeed_tree_logits)(pending, run.pending, tokens, mask, depths)
+        return self._forward("verify", self._tree_logits)(tokens, mask, depths)
 
     def _tail(self, run: Run, name: str, logits: Tensor, *inputs: Tensor) -> tuple[Tensor, Tensor]:
         """The round's tail (``_accept_tail`` or ``_plain_tail``): draws, stops, commit and state update.
@@ -366,14 +473,15 @@ class SpeculativeDecoder:
         """
         if not (self.cuda_graphs and logits.is_cuda):
             return self._tail_body(name, run, logits, *inputs)
-        if run.tail is None:
+        key = (name, logits.shape[1])  # one per tree size: each verify graph has its own static logits
+        if key not in run.tails:
             gens = [g for g in (run.noise_generator,) if g is not None]
-            run.tail = CapturedCall(functools.partial(self._tail_body, name, run, logits), generators=gens)
+            run.tails[key] = CapturedCall(functools.partial(self._tail_body, name, run, logits), generators=gens)
             active = run.state.active.clone()
             run.state.active.zero_()
-            run.tail.capture(*inputs)
+            run.tails[key].capture(*inputs)
             run.state.active.copy_(active)
-        return run.tail(*inputs)
+        return run.tails[key](*inputs)
 
     def _tail_body(self, name: str, run: Run, logits: Tensor, *inputs: Tensor) -> tuple[Tensor, Tensor]:
         state, generator = run.state, run.noise_generator
@@ -381,9 +489,13 @@ class SpeculativeDecoder:
         remaining = run.max_new - run.generated
         # the seed travels as data (run.seed), so the tail's compiled graph serves every seed
         params = run.params if run.params.seed is None else dataclasses.replace(run.params, seed=0)
-        emitted, kept, finished, accept_index = fns[name](logits, *inputs, params, self.tree, state.seqlens,
-                                                          run.eos, remaining, state.active, generator, run.seed)
+        emitted, kept, finished, accept_index, accept_len = fns[name](
+            logits, *inputs[:4], params, self.tree.depth, state.seqlens, run.eos, remaining, state.active, generator,
+            run.seed)
         if accept_index is not None:
+            if run.stats is not None:
+                _, _, _, depths, scores, sources = inputs
+                run.stats.record(run.stats.keys(depths, scores, sources), accept_index, accept_len, state.active)
             self._commit(run, accept_index, kept)
         fns["advance"](state.tokens, state.root, state.seqlens, run.generated, state.active, emitted, kept, finished)
         return emitted, kept
@@ -419,18 +531,19 @@ class SpeculativeDecoder:
         hidden = forward_extend(self.target, self._cache, root)
         return lm_logits(self.target, hidden)
 
-    def _tree_logits(self, tokens: Tensor, mask: Tensor) -> Tensor:
-        positions = tree_positions(self._cache.seqlens, self.tree)
+    def _tree_logits(self, tokens: Tensor, mask: Tensor, depths: Tensor) -> Tensor:
+        positions = tree_positions(self._cache.seqlens, depths)
         hidden = forward_tree(self.target, self._cache, tokens, positions, mask)
         return lm_logits(self.target, hidden)
 
-    def _refeed_tree_logits(self, pending: Tensor, pending_len: Tensor, tokens: Tensor, mask: Tensor) -> Tensor:
+    def _refeed_tree_logits(self, pending: Tensor, pending_len: Tensor, tokens: Tensor, mask: Tensor,
+                            depths: Tensor) -> Tensor:
         """REFEED verify: ``[pending path (R slots) | tree]`` over the rows every layer holds; tree logits only."""
         cache, R = self._cache, pending.shape[1]
         held = cache.seqlens - pending_len.to(torch.int32)  # rows valid in every layer
         ids = torch.cat([pending, tokens], dim=1)
         positions = torch.cat([held.to(torch.int64)[:, None] + torch.arange(R, device=ids.device),
-                               tree_positions(cache.seqlens, self.tree)], dim=1)
+                               tree_positions(cache.seqlens, depths)], dim=1)
         full_mask = prefix_tree_mask(pending_len, R, mask)
         hidden = forward_tree(self.target, cache, ids, positions, full_mask, seqlens=held)
         return lm_logits(self.target, hidden[:, R:])

@@ -7,13 +7,10 @@ captured with :func:`capture`. Benchmarks use it too, so what they time is what 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Generic, Optional, Sequence, TypeVar
+from typing import Callable, Generic, Optional, Sequence, TypeVar
 
 import torch
 from torch import Tensor
-
-if TYPE_CHECKING:
-    from .drafter import DecodeState, Drafter, DraftTree, TreeSpec
 
 T = TypeVar("T")
 
@@ -84,28 +81,29 @@ class CapturedCall(Generic[T]):
         return out
 
 
-class CapturedDraft:
-    """``propose(state, tree)`` (a drafter's, or its compiled version) captured as one CUDA graph.
+class CapturedDraft(Generic[T]):
+    """A round's draft step (a drafter's ``propose``, or its compiled version, and whatever the engine does with the
+    tree before the verify) captured as one CUDA graph.
 
-    Valid for one ``generate`` call: the graph reads the call's ``DecodeState`` tensors and the drafter's state in
-    place (both persistent within the call). The warm-up runs' writes are undone by restoring
-    ``drafter.graph_state()`` from a snapshot before each of them and before the capture.
+    ``fn()`` must read the call's ``DecodeState`` tensors and the drafter's state in place (both persistent within
+    a ``generate`` call), so the graph is valid for one call. The warm-up runs' writes are undone by restoring
+    ``mutated`` (``drafter.graph_state()`` plus anything else ``fn`` writes) from a snapshot before each of them and
+    before the capture.
     """
 
-    def __init__(self, propose: Callable[["DecodeState", "TreeSpec"], "DraftTree"], drafter: "Drafter",
-                 state: "DecodeState", tree: "TreeSpec") -> None:
-        mutated = drafter.graph_state()
+    def __init__(self, fn: Callable[[], T], mutated: Sequence[Tensor]) -> None:
+        mutated = list(mutated)
         snapshot = [t.clone() for t in mutated]
 
         def restore() -> None:
             for t, saved in zip(mutated, snapshot):
                 t.copy_(saved)
 
-        self.graph, self.tree = capture(lambda: propose(state, tree), reset=restore)
+        self.graph, self.out = capture(fn, reset=restore)
 
-    def __call__(self) -> "DraftTree":
+    def __call__(self) -> T:
         self.graph.replay()
-        return self.tree
+        return self.out
 
 
 def _signature(inputs: Sequence[Tensor]) -> tuple:

@@ -119,6 +119,7 @@ class LongSpecDrafter:
     def __init__(self, draft: LongSpecDraft) -> None:
         self.draft = draft
         self.cache: Optional[LongSpecDraftCache] = None
+        self._tree: Optional[TreeSpec] = None  # the tree the cache was allocated for
 
     @property
     def vocab_size(self) -> int:
@@ -139,10 +140,13 @@ class LongSpecDrafter:
 
     @torch.no_grad()
     def prefill(self, state: DecodeState, tree: TreeSpec) -> None:
-        """Check the target, allocate the caches and fill the ring with each row's last W prompt tokens' K/V."""
+        """Check the target, allocate the caches (kept when the batch and tree are unchanged, so captured graphs of
+        ``propose`` stay valid) and fill the ring with each row's last W prompt tokens' K/V."""
         self._check(state, tree)
         B = state.tokens.shape[0]
-        self.cache = LongSpecDraftCache.allocate(self.draft, B, tree, state.tokens.device)
+        if self.cache is None or self._tree != tree or self.cache.ring_k.shape[0] != B:
+            self.cache = LongSpecDraftCache.allocate(self.draft, B, tree, state.tokens.device)
+            self._tree = tree
         W = self.draft.config.window
         P = state.seqlens.to(torch.int64)
         if W > 0:
@@ -155,18 +159,16 @@ class LongSpecDrafter:
     def propose(self, state: DecodeState, tree: TreeSpec) -> DraftTree:
         """Draft a ``tree.num_nodes``-node beam tree per row rooted at ``state.root`` (see the module docstring).
 
-        Requires ``prefill`` for this batch, and (the protocol's guarantee) at most ``tree.depth + 1`` tokens
-        committed since the previous call.
+        Requires ``prefill`` for this batch with ``tree`` or a tree it is a depth-truncated prefix of, and (the
+        protocol's guarantee) at most ``state.max_depth + 1`` tokens committed since the previous call. The tree's
+        scores are the nodes' cumulative log-probabilities under the draft.
         """
-        if self.cache is None or self.cache.ring_k.shape[0] != state.tokens.shape[0]:
-            raise RuntimeError("LongSpecDrafter.propose needs prefill() for this batch first")
-        if tree.num_nodes - 1 != self.cache.tree_k.shape[1]:
-            nodes = self.cache.tree_k.shape[1] + 1
-            raise ValueError(f"tree {tree.shape} differs from the tree given to prefill ({nodes} nodes)")
+        self._check_round(state, tree)
         self._refeed(state, tree)
         self._read_window(state.seqlens.to(torch.int64))
         tokens, parents = [state.root[:, None]], [torch.full_like(state.root[:, None], -1)]
         level, cum = state.root[:, None], torch.zeros(state.root.shape[0], 1, device=state.root.device)
+        scores = [cum]
         for d in range(tree.depth):  # level d's nodes propose depth d + 1; the leaves (depth `tree.depth`) never run
             logp = self._level_logp(state, tree, level, d)
             parent, column, cum = expand_level(cum, logp, tree.shape[d])
@@ -175,19 +177,37 @@ class LongSpecDrafter:
             self._extend_mask(tree, d + 1, parent)
             tokens.append(level)
             parents.append(parent)
-        return DraftTree(tokens=torch.cat(tokens, 1), parents=torch.cat(parents, 1), mask=self.cache.mask)
+            scores.append(cum)
+        T = tree.num_nodes
+        return DraftTree(tokens=torch.cat(tokens, 1), parents=torch.cat(parents, 1),
+                         mask=self.cache.mask[:, :T, :T], scores=torch.cat(scores, 1))
+
+    @torch.no_grad()
+    def observe(self, state: DecodeState, tree: TreeSpec) -> None:
+        """Write the K/V of the tokens committed since the last call (and of the root) into the ring, drafting
+        nothing: for rounds that verify no tree of this drafter (``tree`` only bounds the tokens to catch up on,
+        through its depth when ``state.max_depth`` is None)."""
+        self._check_round(state)
+        self._refeed(state, tree)
+
+    def _check_round(self, state: DecodeState, tree: Optional[TreeSpec] = None) -> None:
+        if self.cache is None or self.cache.ring_k.shape[0] != state.tokens.shape[0]:
+            raise RuntimeError("LongSpecDrafter.propose needs prefill() for this batch first")
+        if tree is not None and tree.shape != self._tree.shape[: tree.depth]:
+            raise ValueError(f"tree {tree.shape} is not the tree given to prefill ({self._tree.shape}) or a "
+                             f"depth-truncated prefix of it")
 
     # --- rounds -----------------------------------------------------------------------------------------------------
 
     def _refeed(self, state: DecodeState, tree: TreeSpec) -> None:
         """Write the K/V of positions ``[ring_end, root]`` into the ring: tokens committed since the last call + root.
 
-        A fixed count F of positions ending at the root, the older ones masked; F = min(depth + 1, W + 1) covers
-        the protocol's at most depth + 1 new tokens, and nothing older than W back is read again.
+        A fixed count F of positions ending at the root, the older ones masked; F = min(max_depth + 1, W + 1)
+        covers the protocol's at most max_depth + 1 new tokens, and nothing older than W back is read again.
         """
         cache, W = self.cache, self.draft.config.window
         r = state.seqlens.to(torch.int64)
-        F = min(tree.depth + 1, W + 1)
+        F = min((state.max_depth if state.max_depth is not None else tree.depth) + 1, W + 1)
         pos = r[:, None] - (F - 1) + torch.arange(F, device=r.device)  # [B, F], the root last
         committed = state.tokens.gather(1, pos.clamp(0, state.tokens.shape[1] - 1))
         ids = torch.where(pos == r[:, None], state.root[:, None], committed)

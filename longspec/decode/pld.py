@@ -37,6 +37,9 @@ class PromptLookupDrafter:
     def prefill(self, state: DecodeState, tree: TreeSpec) -> None:
         """Nothing to prepare: PLD reads ``state.tokens`` each round."""
 
+    def observe(self, state: DecodeState, tree: TreeSpec) -> None:
+        """Nothing to catch up on: PLD keeps no state between rounds."""
+
     def graph_state(self) -> list[Tensor]:
         """PLD keeps no state and ``propose`` makes no host sync, so the engine may capture it as a CUDA graph."""
         return []
@@ -80,15 +83,20 @@ class PromptLookupDrafter:
 
 
 def _trie(root: Tensor, cont: Tensor, valid: Tensor, tree: TreeSpec) -> DraftTree:
-    """Merge candidate continuations ``[B, K, tree.depth]`` (best first) into a tree of ``tree.num_nodes`` nodes."""
+    """Merge candidate continuations ``[B, K, tree.depth]`` (best first) into a tree of ``tree.num_nodes`` nodes.
+
+    A node's score is the log of the share of the found candidates that continue through it (0 when they all
+    agree); fillers get -inf."""
     B, K, _ = cont.shape
     T = tree.num_nodes
     dev = cont.device
     tokens = torch.zeros(B, T + 1, dtype=torch.int64, device=dev)  # column T collects dropped writes
     parents = torch.zeros(B, T + 1, dtype=torch.int64, device=dev)
-    tokens[:, 0], parents[:, 0] = root, -1
+    scores = torch.full((B, T + 1), float("-inf"), device=dev)
+    tokens[:, 0], parents[:, 0], scores[:, 0] = root, -1, 0.0
     node = torch.zeros(B, K, dtype=torch.int64, device=dev)  # each candidate's node at the current depth
     alive = valid[:, :, 0].clone()
+    found = alive.sum(dim=1, keepdim=True).clamp(min=1)
     cand = torch.arange(K, device=dev)
     for d in range(1, tree.depth + 1):
         lo, width = tree.offsets[d], tree.shape[d - 1]
@@ -102,10 +110,12 @@ def _trie(root: Tensor, cont: Tensor, valid: Tensor, tree: TreeSpec) -> DraftTre
         slot = torch.where(kept, lo + rank, T)
         tokens.scatter_(1, slot, cont[:, :, d - 1])
         parents.scatter_(1, slot, node)
+        support = ((rep[:, :, None] == cand) & live[:, :, None]).sum(dim=1)  # [B, K]: candidates through each
+        scores.scatter_(1, slot, torch.log(support / found))
         _fill_level(tokens, parents, kept.sum(dim=1), lo, width, tree.offsets[d - 1])
         node = torch.where(kept, lo + rank, -1).gather(1, rep)
         alive = live & (node >= 0)
-    return DraftTree(tokens[:, :T], parents[:, :T])
+    return DraftTree(tokens[:, :T], parents[:, :T], scores=scores[:, :T])
 
 
 def _fill_level(tokens: Tensor, parents: Tensor, count: Tensor, lo: int, width: int, first_parent: int) -> None:

@@ -132,8 +132,9 @@ def sample_tokens(
 
     Args:
         positions: int64 ``[B, P]`` absolute positions of the sampled tokens (the noise key); ``P = M`` unless
-            ``position_index`` (int64 ``[M]``) maps each of the M distributions to one of P shared positions
-            (tree nodes of one depth share a position, so a round hashes only depth + 1 noise vectors per row).
+            ``position_index`` (int64 ``[M]``, or ``[B, M]`` when rows differ) maps each of the M distributions to
+            one of P shared positions (tree nodes of one depth share a position, so a round hashes only depth + 1
+            noise vectors per row).
         generator: the noise source when ``params.seed`` is None.
         rows: int64 ``[B]`` request ids for the seeded noise; default ``arange(B)``.
         seed: ``params.seed`` as :func:`seed_words` (used instead of its value when ``params.seed`` is set), so
@@ -149,6 +150,8 @@ def sample_tokens(
     if rows is None:
         rows = torch.arange(logits.shape[0], device=logits.device)
     noise = gumbel_noise(params.seed if seed is None else seed, rows, positions, logits.shape[-1])
-    if position_index is not None:
+    if position_index is not None and position_index.dim() == 1:
         noise = noise.index_select(1, position_index)
+    elif position_index is not None:
+        noise = noise.gather(1, position_index[:, :, None].expand(-1, -1, noise.shape[-1]))
     return (logp + noise).argmax(dim=-1)

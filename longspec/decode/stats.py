@@ -4,8 +4,8 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import defaultdict
-from dataclasses import dataclass
-from typing import Iterator, Optional
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -20,6 +20,10 @@ class DecodeStats:
     ``SpeculativeDecoder(..., phase_times=True)`` the rounds' device time is also split into ``time_draft``,
     ``time_verify`` (the target forward) and ``time_accept`` (the tail), by CUDA events on a GPU (read once at the
     end); otherwise those are None. Reporting, not a benchmark.
+
+    Per round (speculative decoding): ``nodes_per_round`` (the verified tree's size: constant for a fixed tree,
+    the budget's choice under an adaptive one, 1 for a plain round), ``realised_tau`` (tokens emitted per active
+    row) and, under an adaptive budget, ``predicted_tau`` (the expected tau the choice was made on).
     """
 
     rounds: int = 0
@@ -30,6 +34,9 @@ class DecodeStats:
     time_draft: Optional[float] = None
     time_verify: Optional[float] = None
     time_accept: Optional[float] = None
+    nodes_per_round: list[int] = field(default_factory=list)
+    realised_tau: list[float] = field(default_factory=list)
+    predicted_tau: list[float] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -43,6 +50,9 @@ class DecodeStats:
         if self.time_draft is not None:
             parts.append(f"draft={self.time_draft:.3f}s verify={self.time_verify:.3f}s "
                          f"accept={self.time_accept:.3f}s")
+        if self.predicted_tau:
+            parts.append(f"nodes/round={sum(self.nodes_per_round) / len(self.nodes_per_round):.1f} "
+                         f"predicted tau={sum(self.predicted_tau) / len(self.predicted_tau):.2f}")
         return " ".join(parts)
 
 
@@ -90,12 +100,15 @@ def accept_lengths(history: list[Tensor], batch: int) -> list[list[int]]:
 
 
 def collect_stats(history: list[Tensor], generated: Tensor, timer: PhaseTimer, prefill_s: float,
-                  decode_s: float) -> DecodeStats:
-    emitted = torch.stack(history) if history else torch.zeros(0, dtype=torch.int64)
+                  decode_s: float, nodes: Sequence[int] = (), predicted: Sequence[Tensor] = ()) -> DecodeStats:
+    emitted = torch.stack(history).cpu() if history else torch.zeros(0, 1, dtype=torch.int64)
     active_pairs = int((emitted > 0).sum())
+    per_round = (emitted.sum(dim=1) / (emitted > 0).sum(dim=1).clamp(min=1)).tolist()
     stats = DecodeStats(rounds=len(history), generated_tokens=int(generated.sum()),
                         tau=float(emitted.sum()) / active_pairs if active_pairs else 0.0,
-                        time_prefill=prefill_s, time_decode=decode_s)
+                        time_prefill=prefill_s, time_decode=decode_s, nodes_per_round=list(nodes),
+                        realised_tau=per_round if nodes else [],
+                        predicted_tau=torch.stack(list(predicted)).tolist() if predicted else [])
     if timer.enabled:
         times = timer.seconds()
         stats.time_draft, stats.time_verify, stats.time_accept = (times.get(k, 0.0) for k in ("draft", "verify",

@@ -56,10 +56,14 @@ class StreamingSelfDrafter:
         return self._view.kv.nbytes + self._view.seqlens.nbytes if self._view is not None else 0
 
     def prefill(self, state: DecodeState, tree: TreeSpec) -> None:
-        """Allocate the view: ``sink + window`` gathered rows plus one scratch row per tree node, every layer."""
+        """Allocate the view: ``sink + window`` gathered rows plus one scratch row per tree node, every layer (kept
+        when it already fits, so captured graphs of ``propose`` stay valid)."""
         L, _, B, _, H, D = state.cache.kv.shape
-        self._view = StaticKVCache(L, B, self.sink + self.window + tree.num_nodes, H, D,
-                                   state.cache.kv.dtype, state.cache.kv.device)
+        rows = self.sink + self.window + tree.num_nodes
+        view = self._view
+        if (view is None or view.kv.shape != (L, 2, B, rows, H, D) or view.kv.dtype != state.cache.kv.dtype
+                or view.kv.device != state.cache.kv.device):
+            self._view = StaticKVCache(L, B, rows, H, D, state.cache.kv.dtype, state.cache.kv.device)
 
     def propose(self, state: DecodeState, tree: TreeSpec) -> DraftTree:
         if self._view is None or self._view.batch_size != state.cache.batch_size:
@@ -70,13 +74,18 @@ class StreamingSelfDrafter:
         parents = torch.zeros(B, T, dtype=torch.int64, device=tokens.device)
         parents[:, 0] = -1
         cum = torch.zeros(B, 1, device=tokens.device)
+        scores = torch.zeros(B, T, device=tokens.device)
         for d in range(1, tree.depth + 1):
             n, prev = tree.offsets[d], tree.offsets[d - 1]  # nodes decided so far; first node of depth d - 1
             logp = self._level_logp(state, tokens[:, :n], parents[:, :n], tree, prev)
             parent, token, cum = expand_level(cum, logp, tree.shape[d - 1])
             tokens[:, n : tree.offsets[d + 1]] = token
             parents[:, n : tree.offsets[d + 1]] = prev + parent
-        return DraftTree(tokens, parents)
+            scores[:, n : tree.offsets[d + 1]] = cum
+        return DraftTree(tokens, parents, scores=scores)
+
+    def observe(self, state: DecodeState, tree: TreeSpec) -> None:
+        """Nothing to catch up on: the view is gathered from the target's cache at every ``propose``."""
 
     def _gather_view(self, cache: StaticKVCache) -> None:
         """Copy rows ``[0, min(sink, L)) ++ [max(sink, L - window), L)`` of every layer into the view's front."""

@@ -38,20 +38,22 @@ def stop_lengths(
     return kept, finished
 
 
-def accept_tail(logits, tokens, parents, mask, params, tree, seqlens, eos, remaining, active, generator, seed):
-    """After a verify: ``(emitted [B, D+1], kept [B], finished [B], accept_index [B, D+1])`` from the tree's
-    target logits ``[B, T, V]`` (see :func:`~longspec.decode.verify.accept_tree`)."""
-    draws = node_draws(logits, params, seqlens, tree, generator, seed)
-    acc = accept_tree(tokens, parents, mask, draws, tree)
+def accept_tail(logits, tokens, parents, mask, depths, params, max_depth, seqlens, eos, remaining, active, generator,
+                seed):
+    """After a verify: ``(emitted [B, D+1], kept [B], finished [B], accept_index [B, D+1], accept_len [B])`` from
+    the tree's target logits ``[B, T, V]``, its nodes' depths ``[B, T]`` and D = ``max_depth`` (see
+    :func:`~longspec.decode.verify.accept_tree`)."""
+    draws = node_draws(logits, params, seqlens, depths, generator, seed, max_depth=max_depth)
+    acc = accept_tree(tokens, parents, mask, draws, depths, max_depth=max_depth)
     kept, finished = stop_lengths(acc.emitted, acc.accept_len, eos, remaining, active)
-    return acc.emitted, kept, finished, acc.accept_index
+    return acc.emitted, kept, finished, acc.accept_index, acc.accept_len
 
 
-def plain_tail(logits, params, tree, seqlens, eos, remaining, active, generator, seed):
+def plain_tail(logits, params, max_depth, seqlens, eos, remaining, active, generator, seed):
     """Plain decoding: one token per row drawn at position ``seqlens + 1``; no acceptance, no commit."""
     emitted = sample_tokens(logits, params, seqlens.to(torch.int64)[:, None] + 1, generator, seed=seed)
     kept, finished = stop_lengths(emitted, torch.ones_like(remaining), eos, remaining, active)
-    return emitted, kept, finished, None
+    return emitted, kept, finished, None, None
 
 
 def advance(tokens: Tensor, root: Tensor, seqlens: Tensor, generated: Tensor, active: Tensor, emitted: Tensor,

@@ -1,14 +1,15 @@
 """Device-side tree bookkeeping: masks and positions from parents, and beam-level expansion.
 
-Nodes are flat in a :class:`~longspec.decode.drafter.TreeSpec`'s level order (root = 0). Everything here is
-vectorised over the batch and the nodes of a level; the only Python loops run over depths, which are static.
+Nodes are flat in a :class:`~longspec.decode.drafter.TreeSpec`'s level order (root = 0); a pruned dynamic tree
+(:func:`prune_tree`) keeps a subset in that order, so parents always come before their children. Everything here
+is vectorised over the batch and the nodes of a level; the only Python loops run over depths, which are static.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from .drafter import TreeSpec
+from .drafter import DraftTree, TreeSpec
 
 
 def tree_mask_from_parents(parents: Tensor, spec: TreeSpec) -> Tensor:
@@ -35,10 +36,60 @@ def tree_mask_from_parents(parents: Tensor, spec: TreeSpec) -> Tensor:
     return mask
 
 
-def tree_positions(seqlens: Tensor, spec: TreeSpec, num_nodes: int | None = None) -> Tensor:
-    """int64 ``[B, M]`` RoPE positions of the first ``num_nodes`` nodes: ``seqlens[b] + depth``."""
-    depths = spec.depth_tensor(seqlens.device)[: num_nodes or spec.num_nodes]
-    return seqlens.to(torch.int64)[:, None] + depths[None, :]
+def tree_positions(seqlens: Tensor, depths: Tensor | TreeSpec, num_nodes: int | None = None) -> Tensor:
+    """int64 ``[B, M]`` RoPE positions ``seqlens[b] + depth``: of the nodes with depths int64 ``[B, M]``, or of the
+    first ``num_nodes`` nodes of a :class:`TreeSpec`'s level order."""
+    if isinstance(depths, TreeSpec):
+        depths = depths.depth_tensor(seqlens.device)[: num_nodes or depths.num_nodes][None, :]
+    return seqlens.to(torch.int64)[:, None] + depths
+
+
+def complete_tree(tree: DraftTree, spec: TreeSpec) -> DraftTree:
+    """``tree`` with its mask and per-row depths filled in where the drafter left them out (from its parents and
+    ``spec``'s level order), after checking the shapes against ``spec``. The engine verifies only complete trees."""
+    B, T = tree.tokens.shape[0], spec.num_nodes
+    if tree.tokens.shape != (B, T) or tree.parents.shape != (B, T):
+        raise ValueError(f"the drafter must propose tokens and parents of shape [B, {T}], got "
+                         f"{tuple(tree.tokens.shape)} and {tuple(tree.parents.shape)}")
+    mask, depths = tree.mask, tree.depths
+    if mask is None:
+        mask = tree_mask_from_parents(tree.parents, spec)
+    elif mask.shape != (B, T, T) or mask.dtype != torch.bool:
+        raise ValueError(f"the drafter's tree mask must be bool [B, {T}, {T}], got {mask.dtype} {tuple(mask.shape)}")
+    if depths is None:
+        depths = spec.depth_tensor(tree.tokens.device).expand(B, T)
+    elif depths.shape != (B, T):
+        raise ValueError(f"the drafter's depths must be int64 [B, {T}], got {tuple(depths.shape)}")
+    return DraftTree(tree.tokens, tree.parents, mask, depths, tree.scores, tree.sources)
+
+
+def prune_tree(tree: DraftTree, keys: Tensor, nodes: int) -> DraftTree:
+    """The ``nodes`` nodes of each row with the highest ``keys``: a dynamic tree within a node budget.
+
+    Args:
+        tree: a complete tree (:func:`complete_tree`) of P nodes, parents before children.
+        keys: float ``[B, P]``: the root must rank first and no node above its parent (ties go to the earlier
+            index, and parents come first), so the kept set contains every kept node's ancestors.
+        nodes: the budget T <= P.
+
+    Returns:
+        a complete tree of T nodes per row, in the order of ``tree`` (so parents still come first), with its
+        mask, depths, scores and sources gathered and parents renumbered; rows differ in shape.
+    """
+    B, P = keys.shape
+    order = torch.sort(keys, dim=1, descending=True, stable=True).indices[:, :nodes]
+    sel = order.sort(dim=1).values  # [B, T]: kept pool indices, ascending
+    new_index = torch.full((B, P), -1, dtype=torch.int64, device=keys.device)
+    new_index.scatter_(1, sel, torch.arange(nodes, device=keys.device).expand(B, nodes))
+    parents = new_index.gather(1, tree.parents.gather(1, sel).clamp(min=0))
+    parents[:, 0] = -1
+    rows = tree.mask.gather(1, sel[:, :, None].expand(B, nodes, P))
+    mask = rows.gather(2, sel[:, None, :].expand(B, nodes, nodes))
+
+    def take(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t.gather(1, sel)
+
+    return DraftTree(take(tree.tokens), parents, mask, take(tree.depths), take(tree.scores), take(tree.sources))
 
 
 def expand_level(cum_logp: Tensor, logp: Tensor, width: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -40,19 +40,30 @@ def node_draws(
     logits: Tensor,
     params: SamplingParams,
     seqlens: Tensor,
-    spec: TreeSpec,
+    depths: Tensor | TreeSpec,
     generator: Optional[torch.Generator] = None,
     seed: Optional[Tensor] = None,
+    max_depth: Optional[int] = None,
 ) -> Tensor:
     """y ~ p at every node: int64 ``[B, T]`` from target logits ``[B, T, V]``.
 
-    Node i sits at position ``seqlens[b] + depth(i)``, so its draw is the token at ``seqlens[b] + depth(i) + 1``:
-    the same position key the plain sampler uses there (seed-exact mode). ``seed``: as in
-    :func:`~longspec.decode.sampling.sample_tokens`.
+    ``depths``: the nodes' depths, int64 ``[B, T]`` (a dynamic tree; then ``max_depth`` bounds them), or a
+    :class:`TreeSpec` (its level-order depths for every row). Node i sits at position ``seqlens[b] + depth(i)``, so
+    its draw is the token at ``seqlens[b] + depth(i) + 1``: the same position key the plain sampler uses there
+    (seed-exact mode). ``seed``: as in :func:`~longspec.decode.sampling.sample_tokens`.
     """
-    depth = spec.depth_tensor(logits.device)
-    positions = seqlens.to(torch.int64)[:, None] + torch.arange(1, spec.depth + 2, device=logits.device)
+    depth, D = _depths(depths, max_depth, logits.device)
+    positions = seqlens.to(torch.int64)[:, None] + torch.arange(1, D + 2, device=logits.device)
     return sample_tokens(logits, params, positions, generator, position_index=depth, seed=seed)
+
+
+def _depths(depths: Tensor | TreeSpec, max_depth: Optional[int], device: torch.device) -> tuple[Tensor, int]:
+    """(depths, max depth): a TreeSpec's int64 ``[T]`` and its depth, or the given ``[B, T]`` and ``max_depth``."""
+    if isinstance(depths, TreeSpec):
+        return depths.depth_tensor(device), depths.depth
+    if max_depth is None:
+        raise ValueError("max_depth (the deepest a node may be) is required when depths is a tensor")
+    return depths, max_depth
 
 
 def first_siblings(tokens: Tensor, parents: Tensor) -> Tensor:
@@ -63,25 +74,27 @@ def first_siblings(tokens: Tensor, parents: Tensor) -> Tensor:
     return ~(same & earlier).any(dim=-1)
 
 
-def accept_tree(tokens: Tensor, parents: Tensor, tree_mask: Tensor, draws: Tensor, spec: TreeSpec) -> Acceptance:
+def accept_tree(tokens: Tensor, parents: Tensor, tree_mask: Tensor, draws: Tensor, depths: Tensor | TreeSpec,
+                max_depth: Optional[int] = None) -> Acceptance:
     """Follow the draws down the tree.
 
     Args:
-        tokens, parents: int64 ``[B, T]`` the draft tree (root first, level order).
+        tokens, parents: int64 ``[B, T]`` the draft tree (root first, parents before children).
         tree_mask: bool ``[B, T, T]`` ancestor-or-self mask (:func:`~longspec.decode.tree.tree_mask_from_parents`).
         draws: int64 ``[B, T]`` the target's draw y at every node (:func:`node_draws`).
+        depths, max_depth: as in :func:`node_draws` (D = the TreeSpec's depth or ``max_depth``).
 
     A node is accepted when every edge on its root path matches (the parent's draw is the node's token and the
     node is the first sibling with it). Accepted nodes form one path; its deepest node's draw is the bonus.
     """
     B, T = tokens.shape
-    D = spec.depth
-    depth = spec.depth_tensor(tokens.device)
+    depth, D = _depths(depths, max_depth, tokens.device)
+    depth = depth.expand(B, T)
     ok = (draws.gather(1, parents.clamp(min=0)) == tokens) & first_siblings(tokens, parents)
     ok[:, 0] = True  # the root is the pending token, already emitted
     accepted = ~(tree_mask & ~ok[:, None, :]).any(dim=-1)  # all ancestors-or-self ok
     deepest = torch.where(accepted, depth, -1).argmax(dim=1)  # [B]
-    accept_len = depth[deepest] + 1
+    accept_len = depth.gather(1, deepest[:, None])[:, 0] + 1
     on_path = tree_mask.gather(1, deepest[:, None, None].expand(B, 1, T)).squeeze(1)  # [B, T]
     slot = torch.where(on_path, depth, D + 1)  # path node of depth d goes to column d; the rest to a dump column
     nodes = torch.arange(T, device=tokens.device).expand(B, T)

@@ -1,0 +1,432 @@
+"""Adaptive budgets: which tree to verify each round, chosen for tokens per second.
+
+A round's cost grows with the tree (the verify attention over a long context is compute-bound in the node count;
+at batch > 1 the linears are too) while its yield, the expected accepted length tau, saturates. So each round the
+engine verifies one of a few *options*: a plain step (the root alone, nothing drafted), or a pool the drafter grows
+(the decoder's tree, possibly cut to a depth limit, or one part of a merged tree) pruned to its ``nodes`` most
+promising nodes (EAGLE-2's rule: rank by cumulative probability, keep the top; here the probability is first
+calibrated, below). Every option is a static shape, so each replays from its own CUDA graphs.
+
+* **Cost** (:class:`CostModel`): microseconds of the verify forward plus the tail per node count, and of each draft
+  variant, linear in the committed length, per batch size. Measured on the device at first use by
+  :meth:`~longspec.decode.decoder.SpeculativeDecoder.calibrate` (a few timed steps on a synthetic cache) and cached
+  on disk per device, dtype, model shape, tree and batch; or loaded from a file (e.g. one derived from the step
+  benchmark's measurements).
+* **Yield** (:class:`AcceptanceStats`, one per decoder and sampling setting): counts of proposed and accepted nodes by
+  (drafter, depth, draft-score bucket), so a node's acceptance probability is estimated from what nodes like it did
+  (the draft's own probability is the prior). A node is ranked by that estimate capped by its ancestors' (so a
+  kept node's ancestors are kept), and an option's expected tau is 1 + the sum over its kept nodes. Every drafted
+  round updates a running mean of the expected tau of every option its pool contains.
+* **Choice** (:meth:`AdaptiveBudget.choose`, on the host, once per round, from the values the round's one sync
+  reads): the option with the highest expected tau per microsecond at the current committed length and batch; every
+  ``explore_every`` rounds the largest option instead, so that the statistics of deep, unlikely nodes stay current.
+
+Rows of a batch share the option (one forward) but not the tree: each row keeps its own best nodes. Nothing here
+changes what is emitted: every option is a tree verified by the same lossless rule.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .drafter import DraftTree, TreeSpec
+from .tree import prune_tree
+
+SCORE_BUCKET = 0.75  # nats per draft-score bucket: bucket k holds log-probabilities in (-(k+1) * 0.75, -k * 0.75]
+NUM_BUCKETS = 16  # the last bucket also takes everything below -11.25, -inf included
+PRIOR_WEIGHT = 4.0  # pseudo-count of the prior (the bucket's own probability) in each acceptance estimate
+DECAY = 1.0 - 1.0 / 2048  # per round: the counts forget rounds older than a few thousand
+CURVE_RATE = 0.25  # weight of the newest round in the running expected tau of an option
+
+
+@dataclass(frozen=True)
+class BudgetOption:
+    """A tree the engine may verify: ``spec``'s pool pruned to ``nodes`` nodes; ``spec=None`` is a plain round."""
+
+    spec: Optional[TreeSpec]
+    nodes: int
+
+    @property
+    def draft_key(self) -> str:
+        """Names what is drafted (the cost model's key): ``"plain"``, ``"4-16-16"`` or ``"4-16|1-1-1"`` (merged)."""
+        return draft_key(self.spec)
+
+    @property
+    def label(self) -> str:
+        return "plain" if self.spec is None else f"{self.draft_key}/{self.nodes}"
+
+
+def draft_key(spec: Optional[TreeSpec]) -> str:
+    if spec is None:
+        return "plain"
+    shapes = spec.parts or (spec.shape,)
+    return "|".join("-".join(map(str, p)) if p else "none" for p in shapes)
+
+
+def default_options(spec: TreeSpec, budgets: Sequence[int] = (2, 4, 8, 16, 32, 64),
+                    depths: Sequence[int] = (2, 3, 5)) -> list[BudgetOption]:
+    """Plain, then for every pool (``spec`` and, when merged, each part alone; each cut at every depth limit in
+    ``depths`` and at its full depth) every budget below the pool's size and the whole pool."""
+    pools = [spec]
+    if spec.parts:
+        for i, p in enumerate(spec.parts):
+            if p:
+                pools.append(TreeSpec(p, tuple(q if j == i else () for j, q in enumerate(spec.parts))))
+    options = [BudgetOption(None, 1)]
+    for pool in pools:
+        for d in sorted({min(d, pool.depth) for d in depths} | {pool.depth}):
+            cut = pool.truncate(d)
+            for n in sorted({n for n in budgets if 2 <= n < cut.num_nodes} | {cut.num_nodes}):
+                options.append(BudgetOption(cut, n))
+    return list(dict.fromkeys(options))
+
+
+# -- costs ------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CostModel:
+    """Measured costs in microseconds, per batch size, each ``a + b * context`` (context = committed length).
+
+    verify: ``{batch: {nodes: (a, b)}}``: the target forward over a tree of that many nodes plus the round's tail.
+    draft:  ``{batch: {draft_key: (a, b)}}``: growing that pool and pruning it (``"plain"``: the drafters'
+            catch-up in a plain round).
+    meta:   where the numbers came from (device, model, how measured).
+    """
+
+    verify: dict[int, dict[int, tuple[float, float]]] = field(default_factory=dict)
+    draft: dict[int, dict[str, tuple[float, float]]] = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+
+    def covers(self, batch: int, options: Sequence[BudgetOption]) -> bool:
+        """Whether every option's pieces have a cost at this batch."""
+        v, d = self.verify.get(batch, {}), self.draft.get(batch, {})
+        return all(o.nodes in v and o.draft_key in d for o in options)
+
+    def verify_us(self, context: float, nodes: int, batch: int) -> float:
+        a, b = self.verify[batch][nodes]
+        return a + b * context
+
+    def draft_us(self, key: str, context: float, batch: int) -> float:
+        a, b = self.draft[batch][key]
+        return a + b * context
+
+    def round_us(self, option: BudgetOption, context: float, batch: int) -> float:
+        return self.verify_us(context, option.nodes, batch) + self.draft_us(option.draft_key, context, batch)
+
+    def update(self, other: "CostModel") -> "CostModel":
+        """Add ``other``'s entries (they win where both have one); returns self."""
+        for mine, theirs in ((self.verify, other.verify), (self.draft, other.draft)):
+            for batch, table in theirs.items():
+                mine.setdefault(batch, {}).update(table)
+        self.meta.update(other.meta)
+        return self
+
+    def to_json(self) -> dict:
+        return {"verify": {str(b): {str(n): list(c) for n, c in t.items()} for b, t in self.verify.items()},
+                "draft": {str(b): {k: list(c) for k, c in t.items()} for b, t in self.draft.items()},
+                "meta": self.meta}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "CostModel":
+        try:
+            return cls({int(b): {int(n): tuple(c) for n, c in t.items()} for b, t in data["verify"].items()},
+                       {int(b): {k: tuple(c) for k, c in t.items()} for b, t in data["draft"].items()},
+                       dict(data.get("meta", {})))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"not a cost model (expected 'verify' and 'draft' tables by batch): {e}") from e
+
+    def save(self, path: str | os.PathLike) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(self.to_json(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "CostModel":
+        return cls.from_json(json.loads(Path(path).read_text()))
+
+
+def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares ``(a, b)`` of ``y = a + b x`` over ``(x, y)`` points, with ``b >= 0`` and ``a >= 0`` (a cost
+    never falls with the context, nor goes below zero); one distinct x gives ``(mean y, 0)``."""
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = max(0.0, sum((x - mx) * (y - my) for x, y in points) / sxx) if sxx > 0 else 0.0
+    a = my - b * mx
+    if a < 0:  # refit through the origin
+        b = max(0.0, sum(x * y for x, y in points) / max(sum(x * x for x in xs), 1e-30))
+        a = 0.0
+    return a, b
+
+
+def time_us(fn: Callable[[], object], device: torch.device, reps: int = 5) -> float:
+    """Median microseconds of ``fn()`` after one untimed call: CUDA events on a GPU, the wall clock elsewhere."""
+    fn()
+    samples = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) * 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(samples)
+
+
+def cache_path(cache_dir: Optional[str | os.PathLike], key: dict) -> Path:
+    """The file a calibration with this key is kept in: ``$LONGSPEC_CACHE_DIR`` (else ``~/.cache/longspec``)
+    ``/costs/<hash of the key>.json``."""
+    root = Path(cache_dir or os.environ.get("LONGSPEC_CACHE_DIR") or Path.home() / ".cache" / "longspec")
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return root / "costs" / f"{digest}.json"
+
+
+# -- acceptance statistics --------------------------------------------------------------------------------------------
+
+
+class AcceptanceStats:
+    """Running acceptance counts by (sources, depth, score bucket) and every option's running expected tau.
+
+    Device tensors, updated inside the captured draft and tail steps (no host sync): ``proposed`` / ``accepted``
+    float32 ``[S * (D + 1) * NUM_BUCKETS]`` (decayed counts; S = 2 ** parts), ``curve`` float32 ``[options]`` (running
+    mean expected tau, 1 until ``seen``), ``seen`` bool ``[options]``.
+    """
+
+    def __init__(self, parts: int, max_depth: int, num_options: int, device: torch.device) -> None:
+        self.sources, self.max_depth = 2 ** parts, max_depth
+        cells = self.sources * (max_depth + 1) * NUM_BUCKETS
+        self.proposed = torch.zeros(cells, device=device)
+        self.accepted = torch.zeros(cells, device=device)
+        bucket = torch.arange(cells, device=device) % NUM_BUCKETS
+        self.prior = torch.exp(-(bucket + 0.5) * SCORE_BUCKET)  # the draft's own probability, mid-bucket
+        self.prior[bucket == NUM_BUCKETS - 1] = 0.0  # the catch-all bottom bucket: fillers, duplicates
+        self.curve = torch.ones(num_options, device=device)
+        self.seen = torch.zeros(num_options, dtype=torch.bool, device=device)
+
+    def tensors(self) -> list[Tensor]:
+        """What the draft and tail steps mutate (restored after their graph warm-up runs)."""
+        return [self.proposed, self.accepted, self.curve, self.seen]
+
+    def keys(self, depths: Tensor, scores: Optional[Tensor], sources: Optional[Tensor]) -> Tensor:
+        """int64 ``[B, T]`` table cells of the nodes."""
+        if scores is None:
+            scores = torch.zeros(depths.shape, device=depths.device)
+        bucket = (-scores / SCORE_BUCKET).nan_to_num(posinf=NUM_BUCKETS).floor().clamp(0, NUM_BUCKETS - 1).long()
+        src = torch.ones_like(depths) if sources is None else sources.clamp(0, self.sources - 1)
+        return (src * (self.max_depth + 1) + depths.clamp(0, self.max_depth)) * NUM_BUCKETS + bucket
+
+    def estimate(self, keys: Tensor) -> Tensor:
+        """float32 ``[B, T]``: each node's estimated probability of being accepted."""
+        rate = (self.accepted + PRIOR_WEIGHT * self.prior) / (self.proposed + PRIOR_WEIGHT)
+        return rate[keys]
+
+    def record(self, keys: Tensor, accept_index: Tensor, accept_len: Tensor, active: Tensor) -> None:
+        """Count a verified round: every non-root node of the active rows proposed, the accepted path's accepted."""
+        B, T = keys.shape
+        col = torch.arange(accept_index.shape[1], device=keys.device)
+        path = torch.where(col[None, :] < accept_len[:, None], accept_index, T)
+        on_path = torch.zeros(B, T + 1, device=keys.device).scatter_(1, path, 1.0)[:, :T]
+        weight = active[:, None].float().expand(B, T).clone()
+        weight[:, 0] = 0.0  # the root is the pending token, not a draft
+        self.proposed.mul_(DECAY).index_add_(0, keys.reshape(-1), weight.reshape(-1))
+        self.accepted.mul_(DECAY).index_add_(0, keys.reshape(-1), (weight * on_path).reshape(-1))
+
+
+# -- the policy -------------------------------------------------------------------------------------------------------
+
+
+class AdaptiveBudget:
+    """Each round, verify the option (:class:`BudgetOption`) with the highest expected tokens per second.
+
+    Args:
+        costs: a :class:`CostModel` (or the path of one saved with :meth:`CostModel.save`); None: calibrate on the
+            device at the first ``generate`` of each batch size (cached in ``cache_dir``).
+        budgets: node counts to prune pools to (each pool's full size is always an option).
+        depths: depth limits to grow pools to (the tree's full depth is always one).
+        options: an explicit option list instead of ``budgets`` and ``depths`` (each option's spec must be a
+            depth-truncated prefix of the decoder's tree or of one of its parts).
+        explore_every: every this many rounds verify the largest option (0: never; then unused options keep their
+            first estimates).
+        cache_dir: where calibrations are kept (default ``$LONGSPEC_CACHE_DIR`` or ``~/.cache/longspec``).
+
+    One instance serves one decoder (its statistics are that decoder's); pass it as
+    ``SpeculativeDecoder(..., budget=AdaptiveBudget())``.
+    """
+
+    def __init__(self, costs: CostModel | str | os.PathLike | None = None,
+                 budgets: Sequence[int] = (2, 4, 8, 16, 32, 64), depths: Sequence[int] = (2, 3, 5), options: Optional[Sequence[BudgetOption]] = None,
+                 explore_every: int = 32, cache_dir: Optional[str | os.PathLike] = None) -> None:
+        if costs is not None and not isinstance(costs, CostModel):
+            costs = CostModel.load(costs)
+        for name, values in (("budgets", budgets), ("depths", depths)):
+            if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+                raise ValueError(f"{name} must be a non-empty sequence of ints >= 1, got {values!r}")
+        if isinstance(explore_every, bool) or not isinstance(explore_every, int) or explore_every < 0:
+            raise ValueError(f"explore_every must be an int >= 0, got {explore_every!r}")
+        self.costs = costs
+        self.budgets, self.depths = tuple(budgets), tuple(depths)
+        self._given_options = None if options is None else list(options)
+        self.explore_every = explore_every
+        self.cache_dir = cache_dir
+        self.options: list[BudgetOption] = []
+        self.spec: Optional[TreeSpec] = None
+        self._stats: dict[tuple, AcceptanceStats] = {}
+
+    # -- set-up (host) ------------------------------------------------------------------------------------------------
+
+    def bind(self, spec: TreeSpec) -> None:
+        """Fix the options for a decoder whose drafter grows ``spec`` (checks explicit options against it)."""
+        options = self._given_options or default_options(spec, self.budgets, self.depths)
+        for o in options:
+            _check_option(o, spec)
+        self.spec, self.options = spec, options
+        self.largest = max(range(len(options)), key=lambda i: (options[i].nodes, -i))
+        self._stats.clear()
+        self._pool_groups: dict[str, list] = {}  # draft key -> the option groups its pool can estimate
+
+    def cost_file(self, decoder) -> Path:
+        """Where this decoder's calibration is kept: keyed by the device, dtype, model shape, drafter, tree, options
+        and execution settings (the batch sizes are entries inside the file)."""
+        target = decoder.target
+        config = target.config.get_text_config()
+        device = target.get_output_embeddings().weight.device
+        drafter = decoder.drafter
+        parts = getattr(drafter, "parts", (drafter,))
+        key = {
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+            "dtype": str(target.dtype),
+            "model": {k: getattr(config, k, None) for k in ("model_type", "num_hidden_layers", "hidden_size",
+                                                             "intermediate_size", "num_attention_heads",
+                                                             "num_key_value_heads", "head_dim", "vocab_size")},
+            "drafter": [type(d).__name__ for d in parts],
+            "draft_vocab": [getattr(getattr(d, "draft", None), "draft_vocab_size", None) for d in parts],
+            "options": [o.label for o in self.options],
+            "settings": [decoder.cuda_graphs, decoder._compiled is not None, decoder.kv_update.name],
+        }
+        return cache_path(self.cache_dir, key)
+
+    def stats_for(self, key: tuple, device: torch.device) -> AcceptanceStats:
+        """The statistics of one sampling setting (acceptance differs with the temperature) on one device."""
+        key = (*key, str(device))
+        if key not in self._stats:
+            parts = max(1, len(self.spec.parts))
+            self._stats[key] = AcceptanceStats(parts, self.spec.depth, len(self.options), device)
+        return self._stats[key]
+
+    def choose(self, context: float, batch: int, curve: Sequence[float], seen: Sequence[bool],
+               rounds_since_largest: int) -> int:
+        """The option index for the next round (host): the best expected tau per microsecond among the options
+        with an estimate, the largest option on the first round and every ``explore_every`` rounds."""
+        if not any(seen) or (self.explore_every and rounds_since_largest >= self.explore_every):
+            return self.largest
+        best, best_rate = 0, -1.0
+        for i, o in enumerate(self.options):
+            if not seen[i] and o.spec is not None:
+                continue
+            tau = 1.0 if o.spec is None else curve[i]
+            rate = tau / max(self.costs.round_us(o, context, batch), 1e-9)
+            if rate > best_rate:
+                best, best_rate = i, rate
+        return best
+
+    # -- device steps (captured) --------------------------------------------------------------------------------------
+
+    def shape(self, stats: AcceptanceStats, pool: DraftTree, index: int, active: Tensor) -> tuple[DraftTree, Tensor]:
+        """Prune a complete pool tree (grown for option ``index``) to the option's budget; update the running
+        expected tau of every option this pool contains. Returns ``(tree, predicted tau [])``, the expected tau of
+        the kept tree averaged over the active rows."""
+        option = self.options[index]
+        p = stats.estimate(stats.keys(pool.depths, pool.scores, pool.sources))
+        p[:, 0] = 1.0  # the root: the bonus token, always emitted
+        # capped by every ancestor's: a node never ranks above its parent, so the kept set is ancestor-closed
+        p = torch.where(pool.mask, p[:, None, :], torch.ones_like(p)[:, None, :]).amin(dim=-1)
+        weight = active.float() / active.float().sum().clamp(min=1.0)
+        predicted = None
+        for depth, bits, members in self._groups(option):
+            member = pool.depths <= depth
+            if bits is not None:
+                member &= ((pool.sources & bits) != 0) | (pool.depths == 0)
+            ranked = torch.sort(torch.where(member, p, -1.0), dim=1, descending=True).values.clamp(min=0)
+            taus = (ranked.cumsum(dim=1) * weight[:, None]).sum(dim=0)  # [P]: expected tau of the best n + 1 nodes
+            for j, nodes in members:
+                rate = torch.where(stats.seen[j], CURVE_RATE, 1.0)
+                stats.curve[j] = (1 - rate) * stats.curve[j] + rate * taus[nodes - 1]
+                stats.seen[j] = True
+                if j == index:
+                    predicted = taus[nodes - 1]
+        return prune_tree(pool, p, option.nodes), predicted
+
+    def _groups(self, drafted: BudgetOption) -> list[tuple[int, Optional[int], list[tuple[int, int]]]]:
+        """The options whose pools lie inside ``drafted``'s, grouped by pool: (depth limit, part bitmask or None,
+        [(option index, nodes)])."""
+        key = drafted.draft_key
+        if key not in self._pool_groups:
+            groups: dict[tuple, list] = {}
+            for j, o in enumerate(self.options):
+                if o.spec is None or o.spec.depth > drafted.spec.depth:
+                    continue
+                bits = None
+                if drafted.spec.parts:
+                    bits, theirs = _part_bits(o.spec), _part_bits(drafted.spec)
+                    if bits & ~theirs or any(len(p) > len(q) for p, q in zip(o.spec.parts, drafted.spec.parts)):
+                        continue
+                groups.setdefault((o.spec.depth, bits), []).append((j, o.nodes))
+            self._pool_groups[key] = [(d, b, m) for (d, b), m in groups.items()]
+        return self._pool_groups[key]
+
+
+def _part_bits(spec: TreeSpec) -> int:
+    return sum(1 << i for i, p in enumerate(spec.parts) if p)
+
+
+def _check_option(option: BudgetOption, spec: TreeSpec) -> None:
+    """An option's pool must be something the drafter can grow: the decoder's tree (or, merged, a subset of its
+    parts), each cut to a common depth limit; and its budget must fit the pool."""
+    if not isinstance(option, BudgetOption):
+        raise ValueError(f"options must be BudgetOption instances, got {option!r}")
+    if option.spec is None:
+        if option.nodes != 1:
+            raise ValueError(f"a plain option verifies the root alone (nodes=1), got nodes={option.nodes}")
+        return
+    o = option.spec
+    ok = o.depth <= spec.depth and bool(o.parts) == bool(spec.parts)
+    if ok and not spec.parts:
+        ok = o.shape == spec.shape[: o.depth]
+    elif ok:
+        ok = len(o.parts) == len(spec.parts) and all(
+            not p or p == q[: len(p)] and (len(p) == min(o.depth, len(q))) for p, q in zip(o.parts, spec.parts))
+    if not ok:
+        raise ValueError(f"option {option.label}: its tree must be a depth-truncated prefix of the decoder's tree "
+                         f"{draft_key(spec)} (or of some of its parts)")
+    if not 1 <= option.nodes <= o.num_nodes:
+        raise ValueError(f"option {option.label}: nodes must be in [1, {o.num_nodes}] (the pool's size)")
+
+
+def root_tree(root: Tensor) -> DraftTree:
+    """The tree of a plain round: each row's root alone."""
+    B = root.shape[0]
+    zeros = torch.zeros(B, 1, dtype=torch.int64, device=root.device)
+    return DraftTree(root[:, None].clone(), zeros - 1, torch.ones(B, 1, 1, dtype=torch.bool, device=root.device),
+                     zeros, torch.zeros(B, 1, device=root.device), zeros)
+
+
+def sampling_key(params) -> tuple:
+    """What acceptance depends on in the sampling settings (the seed does not matter)."""
+    return ("greedy",) if params.greedy else (round(params.temperature, 4), params.top_k, round(params.top_p, 4))
+
+
+__all__ = ["AcceptanceStats", "AdaptiveBudget", "BudgetOption", "CostModel", "default_options", "fit_line"]

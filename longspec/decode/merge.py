@@ -1,0 +1,157 @@
+"""Merged drafters: one tree from several drafters' trees, deduplicated by prefix, verified in one forward.
+
+A :class:`MergedDrafter` is a composition: each part proposes its own tree (its part of a merged
+:class:`~longspec.decode.drafter.TreeSpec`), and :func:`merge_trees` lays them out as one tree. Level d of the
+merged layout holds part 0's depth-d nodes, then part 1's, and so on (a static layout, so the merged tree has a
+fixed size and replays from CUDA graphs). Two nodes with the same path from the root are one candidate: the first
+(part 0 before part 1) stays, the later one's children move under it, and the later one stays in place as a
+duplicate sibling with score -inf. Verification never takes a duplicate (it visits siblings in order and takes the
+first match), and an adaptive budget prunes it first. The merged node remembers every part that proposed it
+(``sources``, a bitmask), which is what the acceptance statistics are kept by.
+
+Exactness holds as for any tree: the point-mass rule needs no draft probabilities, so whatever the parts propose,
+the output is the target's.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .drafter import DecodeState, Drafter, DraftTree, TreeSpec
+from .tree import complete_tree, tree_mask_from_parents
+
+
+class MergedDrafter:
+    """A :class:`~longspec.decode.drafter.Drafter` whose trees are the prefix-deduplicated union of its parts'.
+
+    Use it with a merged tree shape, one shape per part::
+
+        >>> drafter = MergedDrafter(LongSpecDrafter(draft), PromptLookupDrafter())
+        >>> dec = SpeculativeDecoder(target, drafter, tree_shape=TreeSpec.merged((4, 16, 16, 16, 16), (1,) * 8),
+        ...                          budget=AdaptiveBudget())
+
+    Every part must offer ``observe`` (all built-in drafters do): a round whose tree leaves a part out (an
+    adaptive budget's option, or a part shape of ``()``) lets it catch up on the committed tokens instead.
+    """
+
+    def __init__(self, *drafters: Drafter) -> None:
+        if len(drafters) < 2:
+            raise ValueError(f"MergedDrafter needs two or more drafters, got {len(drafters)}")
+        for i, d in enumerate(drafters):
+            if not isinstance(d, Drafter):
+                raise TypeError(f"drafter {i} must implement the Drafter protocol, got {type(d).__name__}")
+            if not hasattr(d, "observe"):
+                raise ValueError(f"drafter {i} ({type(d).__name__}) has no observe(), which a merged tree needs")
+        vocab = {v for v in (getattr(d, "vocab_size", None) for d in drafters) if v is not None}
+        if len(vocab) > 1:
+            raise ValueError(f"the drafters' vocabularies differ: {sorted(vocab)}")
+        self.parts = tuple(drafters)
+        self.vocab_size = vocab.pop() if vocab else None
+        self.reads_all_target_layers = any(getattr(d, "reads_all_target_layers", True) for d in drafters)
+        self.compilable = False  # the merge keeps a per-layout cache; the parts run eagerly or from the CUDA graph
+        self._layouts: dict = {}
+
+    def __getattr__(self, name: str):
+        parts = self.__dict__.get("parts", ())
+        if name == "graph_state" and parts and all(hasattr(d, "graph_state") for d in parts):
+            return lambda: [t for d in parts for t in d.graph_state()]
+        raise AttributeError(name)  # no graph_state unless every part can be captured
+
+    def nbytes(self) -> int:
+        return sum(d.nbytes() for d in self.parts if hasattr(d, "nbytes"))
+
+    def prefill(self, state: DecodeState, tree: TreeSpec) -> None:
+        for part, spec in zip(self.parts, self._part_specs(tree)):
+            part.prefill(state, spec if spec is not None else tree)
+
+    def observe(self, state: DecodeState, tree: TreeSpec) -> None:
+        for part, spec in zip(self.parts, self._part_specs(tree)):
+            part.observe(state, spec if spec is not None else tree)
+
+    def propose(self, state: DecodeState, tree: TreeSpec) -> DraftTree:
+        trees = []
+        for part, spec in zip(self.parts, self._part_specs(tree)):
+            if spec is None:
+                part.observe(state, tree)
+                trees.append(None)
+            else:
+                trees.append(complete_tree(part.propose(state, spec), spec))
+        return merge_trees(state.root, trees, tree, self._layout(tree, state.root.device))
+
+    def _part_specs(self, tree: TreeSpec) -> list[Optional[TreeSpec]]:
+        if len(tree.parts) != len(self.parts):
+            raise ValueError(f"tree_shape must be TreeSpec.merged(...) with one shape per drafter "
+                             f"({len(self.parts)}), got {tree}")
+        return tree.part_specs()
+
+    def _layout(self, tree: TreeSpec, device: torch.device) -> list[Tensor]:
+        """Each part's node indices in the merged layout (device tensors, made once per tree and device: outside
+        any graph capture, whose warm-up calls come first)."""
+        key = (tree, device)
+        if key not in self._layouts:
+            self._layouts[key] = [torch.tensor(n, dtype=torch.int64, device=device) for n in tree.part_nodes()]
+        return self._layouts[key]
+
+
+def merge_trees(root: Tensor, trees: Sequence[Optional[DraftTree]], spec: TreeSpec,
+                layout: Optional[Sequence[Tensor]] = None) -> DraftTree:
+    """Merge the parts' complete trees (None: a part that sits out) into ``spec``'s layout (see the module).
+
+    Args:
+        root: int64 ``[B]`` the shared root.
+        trees: one per part of ``spec``, in its own level order.
+        layout: each part's merged node indices (``spec.part_nodes()`` as int64 tensors on root's device).
+
+    Returns:
+        a complete tree of ``spec.num_nodes`` nodes (tokens, parents, mask, depths, scores, sources).
+    """
+    B, T, dev = root.shape[0], spec.num_nodes, root.device
+    if layout is None:
+        layout = [torch.tensor(n, dtype=torch.int64, device=dev) for n in spec.part_nodes()]
+    tokens = root[:, None].expand(B, T).clone()
+    parents = torch.zeros(B, T, dtype=torch.int64, device=dev)
+    scores = torch.full((B, T), float("-inf"), device=dev)
+    sources = torch.zeros(B, T, dtype=torch.int64, device=dev)
+    parents[:, 0], scores[:, 0] = -1, 0.0
+    for i, (tree, idx) in enumerate(zip(trees, layout)):
+        if tree is None:
+            continue
+        inner = idx[1:]
+        tokens[:, inner] = tree.tokens[:, 1:]
+        parents[:, inner] = idx[tree.parents[:, 1:]]
+        scores[:, inner] = tree.scores[:, 1:] if tree.scores is not None else 0.0
+        sources[:, inner] = 1 << i
+    _dedup(tokens, parents, scores, sources, spec, len(trees))
+    depths = spec.depth_tensor(dev).expand(B, T)
+    return DraftTree(tokens, parents, tree_mask_from_parents(parents, spec), depths, scores, sources)
+
+
+def _dedup(tokens: Tensor, parents: Tensor, scores: Tensor, sources: Tensor, spec: TreeSpec, parts: int) -> None:
+    """In place, level by level: a node whose (canonical parent, token) an earlier node of its level has is a
+    duplicate; its children move to that node, which takes its sources; its score becomes -inf."""
+    B, T = tokens.shape
+    canon = torch.arange(T, device=tokens.device).expand(B, T).clone()  # every node's surviving twin
+    for d in range(1, spec.depth + 1):
+        lo, hi = spec.offsets[d], spec.offsets[d + 1]
+        n = hi - lo
+        par = canon.gather(1, parents[:, lo:hi])
+        tok = tokens[:, lo:hi]
+        same = (par[:, :, None] == par[:, None, :]) & (tok[:, :, None] == tok[:, None, :])
+        same &= torch.ones(n, n, dtype=torch.bool, device=tokens.device).tril()  # [k, j]: j <= k
+        first = same.to(torch.int8).argmax(dim=-1)  # [B, n]: the first node with k's path (k itself if none)
+        canon[:, lo:hi] = lo + first
+        parents[:, lo:hi] = par
+        twin = first[:, :, None] == torch.arange(n, device=tokens.device)  # [B, k, j]: k's path is j's
+        src = sources[:, lo:hi]
+        merged = torch.zeros_like(src)
+        for i in range(parts):
+            has = (src >> i) & 1
+            merged |= (twin & (has[:, :, None] == 1)).any(dim=1).long() << i
+        sources[:, lo:hi] = merged
+        dup = first != torch.arange(n, device=tokens.device)
+        scores[:, lo:hi] = torch.where(dup, float("-inf"), scores[:, lo:hi])
+
+
+__all__ = ["MergedDrafter", "merge_trees"]
