@@ -108,6 +108,7 @@ class Run:
     predicted: list[Tensor] = field(default_factory=list)  # per drafted round under a budget: expected tau []
     draft_graphs: dict = field(default_factory=dict)  # option index (None: the fixed tree) -> CapturedDraft
     tails: dict = field(default_factory=dict)  # (tail name, nodes) -> this call's round tail as a CUDA graph
+    dropped_capture_s: float = 0.0  # capture seconds of draft graphs dropped within the call (drafter re-prefilled)
     seed: Optional[Tensor] = None  # int64 [2]: params.seed as data (seed_words), when seeded
     # adaptive budget (SpeculativeDecoder(budget=...)): statistics, and what the last sync read for the choice
     stats: Optional[AcceptanceStats] = None
@@ -240,6 +241,7 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         with torch.inference_mode(), use_longspec_attention(self.target):
             run = self._start(prompt, params, eos, max_new_tokens, generator)
+            held_capture_s = self._capture_seconds(run)  # the forward graphs held before the rounds
             if streamer is not None:
                 streamer(run.state.root[:, None], torch.ones_like(run.generated))
             with self._compiled_layers():
@@ -251,8 +253,15 @@ class SpeculativeDecoder:
             sequences = output_sequences(input_ids.to(device), prompt, run.state.tokens, run.generated,
                                          pad_id(self.target, eos))
         t2 = time.perf_counter()
-        stats = collect_stats(run.history, run.generated, timer, t1 - t0, t2 - t1, run.nodes, run.predicted)
+        stats = collect_stats(run.history, run.generated, timer, t1 - t0, t2 - t1, run.nodes, run.predicted,
+                              self._capture_seconds(run) - held_capture_s)
         return GenerateOutput(sequences, accept_lengths(run.history, run.generated.shape[0]), stats)
+
+    def _capture_seconds(self, run: Run) -> float:
+        """Seconds spent capturing the decoder's forward graphs (over its life) and the call's draft and tail
+        graphs."""
+        held = list(self._graphs.values()) + list(run.draft_graphs.values()) + list(run.tails.values())
+        return run.dropped_capture_s + sum(g.capture_s for g in held)
 
     # -- phases ---------------------------------------------------------------------------------------------------
 
@@ -434,6 +443,7 @@ class SpeculativeDecoder:
             run.stale = True  # it will miss this round's tokens
         elif not plain and run.stale:
             self.drafter.prefill(run.state, self.tree)  # may reallocate its state: recapture its graphs
+            run.dropped_capture_s += sum(g.capture_s for g in run.draft_graphs.values())
             run.stale, run.draft_graphs = False, {}
         fn = functools.partial(self._draft_body, run, index)
         if not (self.cuda_graphs and hasattr(self.drafter, "graph_state") and run.state.root.is_cuda):

@@ -7,6 +7,7 @@ captured with :func:`capture`. Benchmarks use it too, so what they time is what 
 """
 from __future__ import annotations
 
+import time
 from typing import Callable, Generic, Optional, Sequence, TypeVar
 
 import torch
@@ -62,6 +63,7 @@ class CapturedCall(Generic[T]):
         self.fn = fn
         self.generators = tuple(generators)
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[Tensor], T]] = {}
+        self.capture_s = 0.0  # wall seconds spent capturing (warm-up runs included)
 
     def capture(self, *inputs: Tensor) -> None:
         """Capture the graph for these inputs' signature now (a no-op when it exists); ``inputs`` seed the static
@@ -69,8 +71,9 @@ class CapturedCall(Generic[T]):
         key = _signature(inputs)
         if key not in self._graphs:
             static = [t.clone() for t in inputs]
-            graph, out = capture(lambda: self.fn(*static), generators=self.generators)
+            (graph, out), seconds = _timed(lambda: capture(lambda: self.fn(*static), generators=self.generators))
             self._graphs[key] = (graph, static, out)
+            self.capture_s += seconds
 
     def __call__(self, *inputs: Tensor) -> T:
         self.capture(*inputs)
@@ -99,11 +102,22 @@ class CapturedDraft(Generic[T]):
             for t, saved in zip(mutated, snapshot):
                 t.copy_(saved)
 
-        self.graph, self.out = capture(fn, reset=restore)
+        (self.graph, self.out), self.capture_s = _timed(lambda: capture(fn, reset=restore))
 
     def __call__(self) -> T:
         self.graph.replay()
         return self.out
+
+
+def _timed(fn: Callable[[], T]) -> tuple[T, float]:
+    """``fn()`` and its wall seconds, between device syncs (so work queued before it is not counted): a capture's
+    cost, reported apart from the rounds' (``DecodeStats.time_capture``). Captures are rare; the syncs cost
+    nothing per round."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - t0
 
 
 def _signature(inputs: Sequence[Tensor]) -> tuple:

@@ -19,7 +19,9 @@ class DecodeStats:
     ``time_decode`` (the rounds) are wall-clock seconds, measured at the syncs the loop makes anyway. With
     ``SpeculativeDecoder(..., phase_times=True)`` the rounds' device time is also split into ``time_draft``,
     ``time_verify`` (the target forward) and ``time_accept`` (the tail), by CUDA events on a GPU (read once at the
-    end); otherwise those are None. Reporting, not a benchmark.
+    end); otherwise those are None. ``time_capture`` is the part of ``time_decode`` spent capturing CUDA graphs
+    (the call's draft and tail graphs, and any forward graph the decoder did not hold yet; 0 without graphs):
+    ``time_decode - time_capture`` is the steady decoding time. Reporting, not a benchmark.
 
     Per round (speculative decoding): ``nodes_per_round`` (the verified tree's size: constant for a fixed tree,
     the budget's choice under an adaptive one, 1 for a plain round), ``realised_tau`` (tokens emitted per active
@@ -31,6 +33,7 @@ class DecodeStats:
     tau: float = 0.0
     time_prefill: float = 0.0
     time_decode: float = 0.0
+    time_capture: float = 0.0
     time_draft: Optional[float] = None
     time_verify: Optional[float] = None
     time_accept: Optional[float] = None
@@ -47,6 +50,8 @@ class DecodeStats:
     def summary(self) -> str:
         parts = [f"rounds={self.rounds} tokens={self.generated_tokens} tau={self.tau:.2f}",
                  f"tokens/s={self.tokens_per_s:.1f} prefill={self.time_prefill:.3f}s decode={self.time_decode:.3f}s"]
+        if self.time_capture:
+            parts.append(f"(graph capture {self.time_capture:.3f}s of it)")
         if self.time_draft is not None:
             parts.append(f"draft={self.time_draft:.3f}s verify={self.time_verify:.3f}s "
                          f"accept={self.time_accept:.3f}s")
@@ -100,13 +105,15 @@ def accept_lengths(history: list[Tensor], batch: int) -> list[list[int]]:
 
 
 def collect_stats(history: list[Tensor], generated: Tensor, timer: PhaseTimer, prefill_s: float,
-                  decode_s: float, nodes: Sequence[int] = (), predicted: Sequence[Tensor] = ()) -> DecodeStats:
+                  decode_s: float, nodes: Sequence[int] = (), predicted: Sequence[Tensor] = (),
+                  capture_s: float = 0.0) -> DecodeStats:
     emitted = torch.stack(history).cpu() if history else torch.zeros(0, 1, dtype=torch.int64)
     active_pairs = int((emitted > 0).sum())
     per_round = (emitted.sum(dim=1) / (emitted > 0).sum(dim=1).clamp(min=1)).tolist()
     stats = DecodeStats(rounds=len(history), generated_tokens=int(generated.sum()),
                         tau=float(emitted.sum()) / active_pairs if active_pairs else 0.0,
-                        time_prefill=prefill_s, time_decode=decode_s, nodes_per_round=list(nodes),
+                        time_prefill=prefill_s, time_decode=decode_s, time_capture=capture_s,
+                        nodes_per_round=list(nodes),
                         realised_tau=per_round if nodes else [],
                         predicted_tau=torch.stack(list(predicted)).tolist() if predicted else [])
     if timer.enabled:
