@@ -365,7 +365,7 @@ class AdaptiveBudget:
             for j, nodes in members:
                 rate = torch.where(stats.seen[j], CURVE_RATE, 1.0)
                 stats.curve[j] = (1 - rate) * stats.curve[j] + rate * taus[nodes - 1]
-                stats.seen[j] = True
+                stats.seen[j].fill_(True)  # not `= True`: a 0-dim setitem copies from the host (refused in a capture)
                 if j == index:
                     predicted = taus[nodes - 1]
         return prune_tree(pool, p, option.nodes), predicted

@@ -119,10 +119,13 @@ def merge_trees(root: Tensor, trees: Sequence[Optional[DraftTree]], spec: TreeSp
         if tree is None:
             continue
         inner = idx[1:]
+        # every value a device tensor: index_put_ with a Python number copies it from the host, which a CUDA graph
+        # capture refuses
         tokens[:, inner] = tree.tokens[:, 1:]
         parents[:, inner] = idx[tree.parents[:, 1:]]
-        scores[:, inner] = tree.scores[:, 1:] if tree.scores is not None else 0.0
-        sources[:, inner] = 1 << i
+        scores[:, inner] = (tree.scores[:, 1:].to(scores.dtype) if tree.scores is not None
+                            else torch.zeros_like(scores[:, inner]))
+        sources[:, inner] = torch.full_like(sources[:, inner], 1 << i)
     _dedup(tokens, parents, scores, sources, spec, len(trees))
     depths = spec.depth_tensor(dev).expand(B, T)
     return DraftTree(tokens, parents, tree_mask_from_parents(parents, spec), depths, scores, sources)
