@@ -1,11 +1,13 @@
-"""Multi-GPU draft training (issue 8): the same global batch and seed on 1 and K ranks, DDP and FSDP2.
+"""Multi-GPU draft training (issues 8 and 23): the same global batch and seed on 1 and K ranks, DDP and FSDP2.
 
 Runs ``longspec train`` once on one rank (``--batch-size G``) and then under ``torchrun --nproc-per-node K`` with
-``--batch-size G/K`` for each parallel mode, on the same data and seed, and compares the loss curves (every rank
-sees sequence i with i % K == rank, so each optimizer step covers the same G sequences; anchor offsets and deltas
-are drawn per rank, so curves agree within noise, not bit for bit). Reports tokens/s per GPU and the scaling
-efficiency against one GPU. Usage (K GPUs): ``python -m benchmarks.bench_scaling --target DIR --data FILES
---ranks K --out RESULTS``. On a CPU it runs over gloo (a smoke test of the same path).
+``--batch-size G/K`` for each K of ``--ranks`` and each parallel mode, on the same data and seed, and compares the
+loss curves (overlaid in ``scaling.png``). Each rank reads and tokenises only its own share of the data
+(:mod:`longspec.train.data`: a contiguous byte range of the files), so a K-rank step covers G sequences as the
+1-rank step does but not the same ones, and anchor offsets and deltas are drawn per rank: curves agree within noise,
+not bit for bit. Reports tokens/s per GPU and the scaling efficiency against one GPU. Usage (up to 4 GPUs):
+``python -m benchmarks.bench_scaling --target DIR --data FILES --ranks 2 4 --out RESULTS``. On a CPU it runs over
+gloo (a smoke test of the same path).
 """
 from __future__ import annotations
 
@@ -61,7 +63,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", required=True)
     ap.add_argument("--data", required=True, nargs="+")
-    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2])
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seq-len", type=int, default=4096)
@@ -69,24 +71,50 @@ def main(argv=None) -> None:
     ap.add_argument("--work", default="scaling-runs")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="default: benchmarks/results/<gpu>/")
     a = ap.parse_args(argv)
-    if a.global_batch % a.ranks:
-        raise SystemExit(f"--global-batch ({a.global_batch}) must be a multiple of --ranks ({a.ranks})")
+    for k in a.ranks:
+        if k < 2 or a.global_batch % k:
+            raise SystemExit(f"--ranks {k}: each must be >= 2 and divide --global-batch ({a.global_batch})")
     common = (a.target, a.data)
     base = run(*common, os.path.join(a.work, "ranks1"), 1, "none", a.global_batch, a.steps, a.seq_len, [])
     rows, logs = [], {"single": base}
-    for mode in a.modes:
-        log = run(*common, os.path.join(a.work, f"ranks{a.ranks}-{mode}"), a.ranks, mode, a.global_batch, a.steps,
-                  a.seq_len, [])
-        logs[mode] = log
-        rows.append({"mode": mode, "ranks": a.ranks, **compare(base, log, a.ranks)})
-        print(json.dumps(rows[-1]), flush=True)
+    for k in a.ranks:
+        for mode in a.modes:
+            log = run(*common, os.path.join(a.work, f"ranks{k}-{mode}"), k, mode, a.global_batch, a.steps,
+                      a.seq_len, [])
+            logs[f"{mode}-{k}"] = log
+            rows.append({"mode": mode, "ranks": k, **compare(base, log, k)})
+            print(json.dumps(rows[-1]), flush=True)
     meta = {"global_batch": a.global_batch, "steps": a.steps, "seq_len": a.seq_len}
     write_results("scaling", rows, a.out, meta={**meta, "logs": logs}, title="Draft training on K ranks vs one",
-                  notes=["`python -m benchmarks.bench_scaling`: the same global batch and seed on 1 and K ranks"],
+                  notes=["`python -m benchmarks.bench_scaling`: the same global batch and seed on 1 and K ranks; "
+                         "each rank reads and tokenises only its share of the data"], plot=_plot_losses(logs),
                   columns=[("mode", "mode", ""), ("ranks", "ranks", ""), ("tokens_per_s_1", "tokens/s, 1 rank", ".0f"),
                            ("tokens_per_s_per_rank", "tokens/s per rank", ".0f"),
                            ("scaling_efficiency", "efficiency", ".2f"), ("mean_abs_loss_diff", "mean |loss diff|", ".3f"),
                            ("final_loss_1", "final loss, 1 rank", ".3f"), ("final_loss_k", "final loss, K", ".3f")])
+
+
+def _plot_losses(logs: dict[str, list[dict]]):
+    """The loss curves of every run, overlaid (``scaling.png``)."""
+
+    def plot(rows: list[dict], path) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for name, log in logs.items():
+            ax.plot([r["step"] for r in log], [r["loss"] for r in log], lw=1.2 if name == "single" else 0.8,
+                    label="1 rank" if name == "single" else name.replace("-", ", ") + " ranks")
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss")
+        ax.set_title("Draft training: the same global batch on 1 and K ranks")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+
+    return plot
 
 
 if __name__ == "__main__":

@@ -25,6 +25,16 @@ which changes no step's cost (:func:`longspec.testing.published_target`). ``--mo
 trained pair (``longspec.pretrained``).
 
 Usage (GPU): ``python -m benchmarks.bench_step_latency --models Llama-3-8B Qwen2.5-32B pair --contexts 8192 32768``.
+
+**Tensor-parallel targets** (issue 23): ``torchrun --nproc-per-node K -m benchmarks.bench_step_latency --tp ...``
+shards the random target over K GPUs with transformers' tensor-parallel plan
+(:func:`longspec.testing.random_tensor_parallel`: no checkpoint, each rank allocates only its shards, so the
+Qwen2.5-72B shape runs on 2-4 H200s); the draft is replicated. Every rank runs the rounds; rank 0 writes
+``step_latency_tp<K>.{json,md}``. The per-GPU floors (linears, attention kernels) are not timed under ``--tp``
+(their weights are DTensors), so those rows carry the phases, the round and the bytes one rank reads. Compare with
+the 1-GPU rows of the same model (Qwen2.5-32B fits one H200). NOT YET RUN ON GPUs: written and smoke-tested on CPU
+only (the TP decode path itself is tested on CPU with gloo); CUDA graphs and ``compile`` over NCCL collectives are
+untried, hence ``--cuda-graphs off`` as the fallback.
 """
 from __future__ import annotations
 
@@ -43,18 +53,24 @@ from longspec.testing import PUBLISHED_CONFIGS
 TREE = (4, 16, 16, 16, 16)
 
 
-def target_and_draft(name: str, device: str = "cuda"):
-    """(target, draft) in bf16: a published config with a fresh draft, or the shipped trained pair."""
+def target_and_draft(name: str, device: str = "cuda", tp: bool = False):
+    """(target, draft) in bf16: a published config with a fresh draft, or the shipped trained pair. ``tp``: the
+    target sharded over the ``torchrun`` launch (the draft whole on every rank, the same on every rank)."""
     from longspec import LongSpecDraft
     from longspec.testing import published_target
 
     if name == "pair":
         from longspec.pretrained import load_code_pair
 
+        if tp:
+            raise SystemExit("--tp: the shipped pair's target fits one GPU; use a published shape")
         pair = load_code_pair(device, torch.bfloat16)
         return pair.target, pair.draft
-    target = published_target(name, device)
-    return target, LongSpecDraft.from_target(target)
+    target = published_target(name, device, tensor_parallel=tp)
+    torch.manual_seed(0)  # the same draft on every rank
+    with torch.device(device):
+        draft = LongSpecDraft.from_target(target)
+    return target, draft
 
 
 def _events_us(fn, iters: int, repeats: int = 5) -> float:
@@ -142,28 +158,36 @@ def attention_floor_us(run, context: int, rows: int, iters: int) -> float:
         return _graph_us(run, iters)
 
 
+def _local_bytes(t: torch.Tensor) -> int:
+    """Bytes this rank holds of ``t`` (a DTensor's local shard)."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
+
+
 def measure(name: str, contexts: list[int], compiles: list[bool], draft_vocab: int, iters: int, peaks: dict,
-            on_row=lambda row: None) -> list:
+            on_row=lambda row: None, tp: bool = False, cuda_graphs: bool = True, device: str = "cuda") -> list:
     from longspec import LongSpecDrafter, SpeculativeDecoder
     from longspec.model.draft import frequent_tokens
 
-    target, draft = target_and_draft(name)
+    target, draft = target_and_draft(name, device, tp)
     vocab = target.get_output_embeddings().weight.shape[0]
     reduced = None
     if 0 < draft_vocab < vocab:
         counts = torch.randint(0, 1 << 20, (vocab,), generator=torch.Generator().manual_seed(0))
         reduced = frequent_tokens(counts, draft_vocab)
-    weights = sum(p.numel() * p.element_size() for p in target.parameters())
+    weights = sum(_local_bytes(p) for p in target.parameters())  # this rank's share under --tp
     rows = []
     for compile in compiles:
-        plain = SpeculativeDecoder(target, None, cuda_graphs=True, compile=compile)
-        spec = SpeculativeDecoder(target, LongSpecDrafter(draft), tree_shape=TREE, cuda_graphs=True, compile=compile)
+        plain = SpeculativeDecoder(target, None, cuda_graphs=cuda_graphs, compile=compile)
+        spec = SpeculativeDecoder(target, LongSpecDrafter(draft), tree_shape=TREE, cuda_graphs=cuda_graphs,
+                                  compile=compile)
         T = spec.tree.num_nodes
         for context in contexts:
             draft.set_draft_vocab(None)
             d = round_times(plain, context, iters)
             s = round_times(spec, context, iters)
-            row = {"model": name, "context": context, "compile": compile,
+            row = {"model": name, "context": context, "compile": compile, "gpus": spec.tp.world if spec.tp else 1,
+                   "cuda_graphs": cuda_graphs,
                    "decode_us": d["phases_us"]["verify"] + d["phases_us"]["accept"],
                    "decode_forward_us": d["phases_us"]["verify"], "decode_wall_us": d["round_wall_us"],
                    "verify_us": s["phases_us"]["verify"], "draft_us": s["phases_us"]["draft"],
@@ -171,8 +195,8 @@ def measure(name: str, contexts: list[int], compiles: list[bool], draft_vocab: i
                    "first_round_decode_s": d["first_round_s"], "first_round_spec_s": s["first_round_s"]}
             if reduced is not None:
                 draft.set_draft_vocab(reduced)
-                spec_r = SpeculativeDecoder(target, LongSpecDrafter(draft), tree_shape=TREE, cuda_graphs=True,
-                                            compile=compile)
+                spec_r = SpeculativeDecoder(target, LongSpecDrafter(draft), tree_shape=TREE,
+                                            cuda_graphs=cuda_graphs, compile=compile)
                 r = round_times(spec_r, context, iters)
                 row["draft_vocab"] = draft_vocab
                 row["draft_reduced_us"] = r["phases_us"]["draft"]
@@ -183,31 +207,39 @@ def measure(name: str, contexts: list[int], compiles: list[bool], draft_vocab: i
             cache = s["run"].state.cache
             kv_bytes = cache.kv[:, :, :, :context].numel() * cache.kv.element_size()
             row["bytes_floor_us"] = (weights + kv_bytes) / peaks["copy_bytes_per_s"] * 1e6
-            row["linears_m1_us"] = linear_floor_us(target, 1, iters)
-            row["linears_mT_us"] = linear_floor_us(target, T, iters)
-            row["attn_decode_us"] = attention_floor_us(d["run"], context, 1, iters)
-            row["attn_verify_us"] = attention_floor_us(s["run"], context, T, iters)
+            if not tp:
+                row["linears_m1_us"] = linear_floor_us(target, 1, iters)
+                row["linears_mT_us"] = linear_floor_us(target, T, iters)
+                row["attn_decode_us"] = attention_floor_us(d["run"], context, 1, iters)
+                row["attn_verify_us"] = attention_floor_us(s["run"], context, T, iters)
             _ratios(row)
             rows.append(row)
             on_row(row)
-            print(json.dumps(row), flush=True)
+            if _main_rank():
+                print(json.dumps(row), flush=True)
         del plain, spec
         torch.cuda.empty_cache()
     draft.set_draft_vocab(None)
     return rows
 
 
+def _main_rank() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def _ratios(row: dict) -> None:
+    row["round_per_decode"] = row["round_wall_us"] / row["decode_wall_us"]
+    if "round_reduced_wall_us" in row:
+        row["round_reduced_per_decode"] = row["round_reduced_wall_us"] / row["decode_wall_us"]
+    if "linears_m1_us" not in row:  # --tp: no per-GPU floors
+        return
     row["decode_floor_us"] = row["linears_m1_us"] + row["attn_decode_us"]
     row["verify_floor_us"] = row["linears_mT_us"] + row["attn_verify_us"]
     row["decode_vs_floor"] = row["decode_us"] / row["decode_floor_us"]
     row["verify_vs_floor"] = row["verify_us"] / row["verify_floor_us"]
-    row["round_per_decode"] = row["round_wall_us"] / row["decode_wall_us"]
-    if "round_reduced_wall_us" in row:
-        row["round_reduced_per_decode"] = row["round_reduced_wall_us"] / row["decode_wall_us"]
 
 
-COLUMNS = [("model", "model", ""), ("context", "N", ""), ("compile", "compile", ""),
+COLUMNS = [("model", "model", ""), ("gpus", "GPUs", ""), ("context", "N", ""), ("compile", "compile", ""),
            ("decode_us", "decode", ".0f"), ("decode_floor_us", "floor", ".0f"), ("decode_vs_floor", "x", ".2f"),
            ("verify_us", "verify", ".0f"), ("verify_floor_us", "floor", ".0f"), ("verify_vs_floor", "x", ".2f"),
            ("draft_us", "draft", ".0f"), ("draft_reduced_us", "draft (reduced)", ".0f"), ("accept_us", "accept", ".0f"),
@@ -215,11 +247,14 @@ COLUMNS = [("model", "model", ""), ("context", "N", ""), ("compile", "compile", 
            ("round_reduced_per_decode", "reduced round/decode", ".2f"), ("first_round_spec_s", "first round s", ".1f")]
 NOTES = ["Random weights, bf16, batch 1, CUDA graphs; times in us. decode = a plain round (forward + tail); round = "
          "draft + verify + accept with its host sync (wall); floors: every linear of the model plus the layers' "
-         "attention kernels, timed in this run. `python -m benchmarks.bench_step_latency`"]
+         "attention kernels, timed in this run. `python -m benchmarks.bench_step_latency`",
+         "GPUs > 1: the target tensor-parallel over them (`torchrun --nproc-per-node K -m benchmarks.bench_step_latency "
+         "--tp`), the draft replicated; per-GPU floors are not timed there (blank), and bytes_floor is one rank's "
+         "weights and cache."]
 
 
-def write(rows: list[dict], meta: dict, out_dir: str, plot: bool = True):
-    return write_results("step_latency", rows, out_dir, meta=meta, title="Round cost at real sizes", notes=NOTES,
+def write(rows: list[dict], meta: dict, out_dir: str, plot: bool = True, suite: str = "step_latency"):
+    return write_results(suite, rows, out_dir, meta=meta, title="Round cost at real sizes", notes=NOTES,
                          columns=COLUMNS, plot=_plot if plot else None)
 
 
@@ -251,29 +286,44 @@ def _plot(rows: list[dict], path) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     models = sorted(PUBLISHED_CONFIGS)
-    ap.add_argument("--models", nargs="+", choices=models + ["pair"], default=models)
+    ap.add_argument("--models", nargs="+", choices=models + ["pair"], default=["Llama-3-8B", "Qwen2.5-32B"])
     ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768])
     ap.add_argument("--compile", choices=("on", "off", "both"), default="both")
     ap.add_argument("--draft-vocab", type=int, default=32768, help="reduced drafting vocabulary (0: none)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=os.environ.get("OUT"), help="default: benchmarks/results/<gpu>/")
+    ap.add_argument("--tp", action="store_true", help="under torchrun: the target tensor-parallel over the ranks")
+    ap.add_argument("--cuda-graphs", choices=("on", "off"), default="on")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_step_latency needs a CUDA device")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not a.tp:
+        raise SystemExit(f"launched on {world} ranks without --tp: every rank would time its own whole model")
+    device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
+    torch.cuda.set_device(device)
     compiles = {"on": [True], "off": [False], "both": [True, False]}[a.compile]
     peaks = measure_peaks()
     meta = {"tree": "-".join(map(str, TREE)), "copy TB/s": round(peaks["copy_bytes_per_s"] / 1e12, 2)}
+    if a.tp:
+        meta["tensor_parallel"] = world
+    suite = f"step_latency_tp{world}" if a.tp else "step_latency"
     rows = []
 
     def on_row(row):  # written after every row, so a run cut short keeps what it measured
         rows.append(row)
-        write(rows, meta, a.out, plot=False)
+        if _main_rank():
+            write(rows, meta, a.out, plot=False, suite=suite)
 
     for name in a.models:
         vocab_size = a.draft_vocab if name != "pair" else min(a.draft_vocab, 2048)
-        measure(name, a.contexts, compiles, vocab_size, a.iters, peaks, on_row)
+        measure(name, a.contexts, compiles, vocab_size, a.iters, peaks, on_row, tp=a.tp,
+                cuda_graphs=a.cuda_graphs == "on", device=device)
         torch.cuda.empty_cache()
-    print((write(rows, meta, a.out) / "step_latency.md").read_text(), flush=True)
+    if _main_rank():
+        print((write(rows, meta, a.out, suite=suite) / f"{suite}.md").read_text(), flush=True)
+    if a.tp and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -135,39 +135,89 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     target_files = check_target(args.target)
+    if world > 1:
+        _check_tensor_parallel_launch(args, target_files, world)
     draft_path = check_draft(args.draft, target_files) if args.draft else None
     text = read_prompt(args.prompt_file)
 
     import torch
 
-    from longspec import SpeculativeDecoder
     from longspec.model.target import check_generation_length
 
-    device = _device(args.device)
     tokenizer, config = _load_tokenizer_and_config(target_files)
     _check_model_type(config, args.target)
+    if world > 1:
+        from longspec.model.parallel import check_head_split
+
+        try:
+            check_head_split(config, world)
+        except ValueError as err:
+            raise CLIError(f"--target {args.target!r} under a {world}-process launch: {err}") from None
     prompt_ids = _encode_prompt(tokenizer, text, args.chat)
     try:
         check_generation_length(argparse.Namespace(config=config), prompt_ids.shape[1] + args.max_new_tokens)
     except ValueError as err:
         raise CLIError(f"the prompt is {prompt_ids.shape[1]} tokens and --max-new-tokens {args.max_new_tokens}: "
                        f"{err}") from None
-    model = _load_model(target_files, config, getattr(torch, args.dtype), device)
+    if world > 1:
+        model = _load_model_tensor_parallel(target_files, config, getattr(torch, args.dtype))
+        device = model.get_output_embeddings().weight.device
+    else:
+        device = _device(args.device)
+        model = _load_model(target_files, config, getattr(torch, args.dtype), device)
+    try:
+        return _generate(args, model, tokenizer, prompt_ids, draft_path, device, world)
+    finally:
+        if world > 1 and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _generate(args: argparse.Namespace, model, tokenizer, prompt_ids, draft_path: Optional[Path], device,
+              world: int) -> int:
+    """Decode and print (every rank of a tensor-parallel launch decodes; rank 0 prints)."""
+    from longspec import SpeculativeDecoder
+
     drafter = _build_drafter(args, model, draft_path)
     tree_shape = args.tree_shape or ((4, 16, 16, 16, 16) if args.draft else (1, 1, 1, 1, 1))
     decoder = SpeculativeDecoder(model, drafter, tree_shape=tree_shape, cuda_graphs=args.cuda_graphs,
                                  compile=args.compile, phase_times=args.phase_times, max_cache_len=args.max_cache_len)
     scratch = decoder.tree.num_nodes if drafter is not None else 1
-    _check_cache_fits(model, prompt_ids.shape[1] + args.max_new_tokens + scratch, args.max_cache_len, device)
-    streamer = _TextStreamer(tokenizer)
+    _check_cache_fits(model, prompt_ids.shape[1] + args.max_new_tokens + scratch, args.max_cache_len, device, world)
+    main_rank = world == 1 or int(os.environ.get("RANK", "0")) == 0
+    streamer = _TextStreamer(tokenizer) if main_rank else None
+    seed = args.seed
+    if world > 1 and args.temperature > 0 and seed is None:
+        seed = _shared_random_seed(device)  # every rank must draw the same tokens
     out = decoder.generate(prompt_ids.to(device), max_new_tokens=args.max_new_tokens,
-                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed,
                            streamer=streamer)
+    if not main_rank:
+        return 0
     print(flush=True)
     _report_stop(out.sequences[0, prompt_ids.shape[1]:].tolist(), args.max_new_tokens, tokenizer, streamer.printed > 0)
-    print(out.stats.summary(), file=sys.stderr)
+    print(out.stats.summary() + (f" tensor-parallel={world}" if world > 1 else ""), file=sys.stderr)
     return 0
+
+
+def _shared_random_seed(device) -> int:
+    """A fresh random seed drawn on rank 0 and broadcast: unseeded sampling, the same on every rank."""
+    import torch
+
+    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64).to(device)
+    torch.distributed.broadcast(seed, src=0)
+    return int(seed)
+
+
+def _check_tensor_parallel_launch(args: argparse.Namespace, files: TargetFiles, world: int) -> None:
+    """What a multi-process (tensor-parallel) launch of ``generate`` cannot take, refused before torch loads."""
+    if files.gguf_file:
+        raise CLIError(f"--target {args.target!r} is a GGUF file, which is not loaded tensor-parallel: use a Hugging "
+                       f"Face directory under a {world}-process launch, or run a single process")
+    if args.device is not None:
+        raise CLIError(f"--device {args.device}: under a {world}-process launch each rank uses the GPU of its "
+                       "LOCAL_RANK (the CPU on a machine without one); leave --device out")
 
 
 def _load_tokenizer_and_config(files: TargetFiles):
@@ -205,6 +255,17 @@ def _load_model(files: TargetFiles, config, dtype, device):
     return model.to(device).eval()
 
 
+def _load_model_tensor_parallel(files: TargetFiles, config, dtype):
+    """The target sharded over the launch's ranks with its tensor-parallel plan (each rank reads its shards)."""
+    from longspec.model.parallel import load_tensor_parallel
+
+    try:
+        return load_tensor_parallel(files.directory, dtype, config=config, local_files_only=True)
+    except Exception as err:  # noqa: BLE001  (as _load_model: every failure here means "these weights")
+        raise CLIError(f"cannot load the weights of --target {str(files.directory)!r} tensor-parallel: "
+                       f"{_first_line(err)}") from None
+
+
 def _first_line(err: BaseException) -> str:
     lines = str(err).strip().splitlines()
     return f"{type(err).__name__}: {lines[0] if lines else ''}"
@@ -236,15 +297,17 @@ def _build_drafter(args: argparse.Namespace, model, draft_path: Optional[Path]):
     return builders[args.drafter or "pld"]()
 
 
-def _check_cache_fits(model, rows: int, max_cache_len: Optional[int], device) -> None:
-    """Refuse, before allocating it, a KV cache larger than the memory ``device`` has free."""
+def _check_cache_fits(model, rows: int, max_cache_len: Optional[int], device, world: int = 1) -> None:
+    """Refuse, before allocating it, a KV cache larger than the memory ``device`` has free (a tensor-parallel
+    rank's cache holds 1 / ``world`` of the KV heads)."""
     from longspec.model.target import head_dim, num_kv_heads
 
     rows = -(-rows // 256) * 256  # the decoder rounds its cache up to a multiple of 256 rows
     if max_cache_len is not None:
         rows = min(rows, max_cache_len)
     config = model.config
-    need = config.num_hidden_layers * 2 * rows * num_kv_heads(config) * head_dim(config) * model.dtype.itemsize
+    heads = num_kv_heads(config) // world
+    need = config.num_hidden_layers * 2 * rows * heads * head_dim(config) * model.dtype.itemsize
     free = available_memory(device)
     if free is not None and need > free:
         raise CLIError(f"the KV cache ({rows} rows x {config.num_hidden_layers} layers) needs {need / 2**20:.1f} "

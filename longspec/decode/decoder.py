@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 import longspec_ops  # noqa: F401  (registers torch.ops.longspec)
+from longspec.model.parallel import tensor_parallel
 from longspec.model.target import (
     CompiledTarget,
     StaticKVCache,
@@ -151,6 +152,10 @@ class SpeculativeDecoder:
             model is calibrated at the first ``generate`` of each batch size unless given (see
             :meth:`calibrate`).
 
+    A target sharded by transformers' tensor-parallel plan (:func:`longspec.model.parallel.load_tensor_parallel`
+    under ``torchrun``) is decoded the same way on every rank: each rank's cache holds its KV heads only, every
+    rank calls ``generate`` with the same arguments and gets the same output.
+
     The decoder keeps its KV cache between ``generate`` calls (reused when big enough, so captured CUDA graphs stay
     valid); one decoder serves one call at a time.
 
@@ -175,6 +180,8 @@ class SpeculativeDecoder:
         budget: Optional[AdaptiveBudget] = None,
     ) -> None:
         check_supported(target)
+        # a target sharded by transformers' tensor-parallel plan: every rank runs this same loop on its local heads
+        self.tp = tensor_parallel(target)
         _check_drafter(target, drafter, kv_update)
         if not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be an int >= 1, got {prefill_chunk_size!r}")
@@ -230,6 +237,9 @@ class SpeculativeDecoder:
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         params = SamplingParams(temperature, top_k, top_p, seed)  # validates each, naming it
+        if self.tp is not None and not params.greedy and seed is None and generator is None:
+            raise ValueError("sampling from a tensor-parallel target needs seed= (or a generator seeded alike on "
+                             "every rank): every rank must draw the same tokens")
         device = self.target.get_output_embeddings().weight.device
         prompt = prepare_prompt(input_ids, attention_mask, device)
         total = prompt.max_len + max_new_tokens
@@ -581,7 +591,7 @@ class SpeculativeDecoder:
             rows = -(-rows // 256) * 256  # round up so later requests can reuse it
             if self.max_cache_len is not None:
                 rows = min(rows, self.max_cache_len)
-            cache = StaticKVCache.from_config(self.target.config, batch, rows, dtype, device)
+            cache = StaticKVCache.from_config(self.target.config, batch, rows, dtype, device, tp=self.tp)
             self._cache, self._graphs = cache, {}
         cache.seqlens.zero_()
         return cache

@@ -30,6 +30,14 @@ With a reduced drafting vocabulary (:meth:`~longspec.model.draft.LongSpecDraft.s
 only those rows of the LM head, and the chosen columns map back to target ids.
 Everything is batched over rows with ragged lengths; there is no host synchronisation in the drafter itself.
 
+**Tensor-parallel targets.** The draft is replicated on every rank; the target's cache holds only the rank's KV
+heads, so the cross-attention runs the matching query heads there and the ranks all-gather the outputs
+(:meth:`~longspec.model.draft.LongSpecDraft.finish`): ``[B, M, Hq, D]`` per drafted level, never a cache row.
+Every rank then computes the same tree from the same values, so nothing else is exchanged. The other choice,
+drafting on one rank and broadcasting the tree (one collective per round instead of one per level), needs the whole
+last layer's cache on that rank: a second copy of it (``N x Hkv x D``, kept current by gathering every round's
+committed rows), with the other ranks idle while it drafts. Which is faster on GPUs is not measured yet.
+
 **Prefill** computes only what the ring needs: the self-attention K/V of each row's last W prompt tokens (a fixed
 ``[B, W]`` projection), with no attention, cross-attention or MLP over the prompt.
 """
@@ -257,9 +265,8 @@ class LongSpecDrafter:
             self_out, lse = torch.ops.longspec.merge_attn_states(self_out, lse, tree_out[:, lo:hi], tree_lse[:, :, lo:hi])
         target_lens = state.seqlens.to(torch.int32)
         L = state.target.config.get_text_config().num_hidden_layers
-        out = draft.finish(
-            x, self_out, cos, sin, state.cache.key(L - 1), state.cache.value(L - 1), pos.to(torch.int32), target_lens
-        )
+        out = draft.finish(x, self_out, cos, sin, state.cache.key(L - 1), state.cache.value(L - 1),
+                           pos.to(torch.int32), target_lens, tp=state.cache.tp)
         return torch.log_softmax(draft.draft_logits(out).float(), dim=-1)
 
     def _extend_mask(self, tree: TreeSpec, d: int, parent: Tensor) -> None:
@@ -301,10 +308,12 @@ class LongSpecDrafter:
         L = state.target.config.get_text_config().num_hidden_layers
         key = state.cache.key(L - 1)
         c = draft.config
-        if key.shape[2:] != (c.num_key_value_heads, c.head_dim) or key.dtype != draft.dtype:
+        tp = getattr(state.cache, "tp", None)
+        heads = c.num_key_value_heads if tp is None else tp.local_kv_heads  # a tensor-parallel rank's share
+        if key.shape[2:] != (heads, c.head_dim) or key.dtype != draft.dtype:
             raise ValueError(
                 f"the target's last-layer cache is {key.dtype} [B, N, {key.shape[2]}, {key.shape[3]}], the draft "
-                f"needs {draft.dtype} [B, N, {c.num_key_value_heads}, {c.head_dim}]"
+                f"needs {draft.dtype} [B, N, {heads}, {c.head_dim}]"
             )
         width, V = 1, draft.draft_vocab_size
         for d, k in enumerate(tree.shape, start=1):

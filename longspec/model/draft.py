@@ -36,6 +36,7 @@ from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, rotate_half
 
 import longspec_ops  # noqa: F401  (registers torch.ops.longspec)
+from longspec.model.parallel import TensorParallel, gather_heads
 from longspec.model.target import head_dim, num_kv_heads
 from longspec.runs import resolve_checkpoint
 
@@ -324,6 +325,7 @@ class LongSpecDraft(PreTrainedModel):
         target_value: Tensor,
         q_pos: Tensor,
         target_lens: Tensor,
+        tp: Optional["TensorParallel"] = None,
     ) -> Tensor:
         """The rest of the block after self-attention: residual, cross-attention, MLP. Returns out ``[B, S, H]``.
 
@@ -333,11 +335,21 @@ class LongSpecDraft(PreTrainedModel):
             target_key, target_value: ``[B, N, Hkv, D]`` the target's last-layer cache (keys post-RoPE).
             q_pos: int32 ``[B, S]`` and target_lens: int32 ``[B]``: query i sees target rows
                 ``[0, min(q_pos[b, i], target_lens[b]))`` (see :func:`longspec_ops.draft_cross_attn`).
+            tp: the target is tensor-parallel (:class:`~longspec.model.parallel.TensorParallel`) and the cache
+                holds only this rank's ``Hkv / K`` KV heads: the cross-attention runs the query heads that read
+                them and the ranks gather the outputs (``[B, S, Hq, D]``, a few hundred KB per level), so no rank
+                ever reads or moves another rank's cache rows. The rest of the draft is replicated: every rank
+                computes the same tree from the same gathered values.
         """
         h1 = self.after_self_attention(x, self_out)
         q = self.cross_query(h1, cos, sin)
-        cross, _ = torch.ops.longspec.draft_cross_attn(q, target_key, target_value, q_pos, target_lens,
-                                                        self.config.head_dim ** -0.5)
+        scale = self.config.head_dim ** -0.5
+        if tp is None:
+            cross, _ = torch.ops.longspec.draft_cross_attn(q, target_key, target_value, q_pos, target_lens, scale)
+        else:
+            local, _ = torch.ops.longspec.draft_cross_attn(tp.local_query(q), target_key, target_value, q_pos,
+                                                            target_lens, scale)
+            cross = gather_heads(local, tp)
         return self.after_cross_attention(h1, cross)
 
     def after_self_attention(self, x: Tensor, self_out: Tensor) -> Tensor:
@@ -398,8 +410,10 @@ class LongSpecDraft(PreTrainedModel):
         if self.draft_vocab is None:
             self._draft_head = None
             return
-        head = self._require_target().lm_head.weight
-        self._draft_head = head.detach().index_select(0, self.draft_vocab.to(head.device))
+        head = self._require_target().lm_head.weight.detach()
+        if _is_dtensor(head):  # a tensor-parallel target's head holds a slice of the vocabulary per rank
+            head = head.full_tensor()  # a collective: every rank binds its draft and sets its vocabulary alike
+        self._draft_head = head.index_select(0, self.draft_vocab.to(head.device))
 
     @property
     def draft_vocab_size(self) -> int:
@@ -523,6 +537,14 @@ class LongSpecDraft(PreTrainedModel):
 # --- the drafting vocabulary on disk ----------------------------------------------------------------------------------
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
+
+
+def _is_dtensor(t: Tensor) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 def frequent_tokens(counts: Tensor, size: int) -> Tensor:

@@ -14,7 +14,9 @@ unknown kwargs to the attention function unchanged, and builds no mask for an im
   committed rows ``[0, seqlens[b])`` plus the tree block: a rejected node is never visible to a later round.
 
 Layout: the cache holds every layer's K and V in one contiguous tensor ``kv [L, 2, B, N, Hkv, D]`` (flash-attn
-layout per layer); token j of a row sits at cache row j and absolute (RoPE) position j.
+layout per layer); token j of a row sits at cache row j and absolute (RoPE) position j. For a tensor-parallel target
+(:mod:`longspec.model.parallel`) each rank's cache holds only its ``Hkv / K`` KV heads, the ones its attention
+computes, and says so in :attr:`StaticKVCache.tp`.
 """
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ import longspec_ops  # noqa: F401  (registers torch.ops.longspec)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
+
+    from longspec.model.parallel import TensorParallel
 
 ATTN_IMPLEMENTATION = "longspec"
 
@@ -59,6 +63,8 @@ class StaticKVCache:
     Attributes:
         kv: contiguous ``[L, 2, B, N, Hkv, D]``; ``kv[l, 0]`` / ``kv[l, 1]`` are layer l's keys (post-RoPE) / values.
         seqlens: int32 ``[B]`` committed lengths; rows ``[0, seqlens[b])`` of every layer are valid.
+        tp: for a tensor-parallel target, which KV heads this rank's cache holds (``Hkv`` is then the local
+            count, ``tp.local_kv_heads``); None for a whole model.
 
     ``commit_kv_`` takes :meth:`planes` (``kv.view(2 * L, B, N, Hkv, D)``).
     """
@@ -72,6 +78,7 @@ class StaticKVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        tp: Optional["TensorParallel"] = None,
     ) -> None:
         if min(num_layers, batch_size, max_len, num_kv_heads, head_dim) < 1:
             raise ValueError(
@@ -82,13 +89,25 @@ class StaticKVCache:
         shape = (num_layers, 2, batch_size, max_len, num_kv_heads, head_dim)
         self.kv = torch.zeros(shape, dtype=dtype, device=device)
         self.seqlens = torch.zeros(batch_size, dtype=torch.int32, device=device)
+        if tp is not None and tp.local_kv_heads != num_kv_heads:
+            raise ValueError(f"num_kv_heads ({num_kv_heads}) must be this rank's share of the KV heads, "
+                             f"{tp.num_kv_heads} / {tp.world} = {tp.local_kv_heads}")
+        self.tp = tp
 
     @classmethod
     def from_config(
-        cls, config: "PretrainedConfig", batch_size: int, max_len: int, dtype: torch.dtype, device: torch.device | str
+        cls, config: "PretrainedConfig", batch_size: int, max_len: int, dtype: torch.dtype, device: torch.device | str,
+        tp: Optional["TensorParallel"] = None,
     ) -> "StaticKVCache":
-        """A cache sized for a transformers decoder config (``num_hidden_layers``, KV heads, head dim)."""
-        return cls(config.num_hidden_layers, batch_size, max_len, num_kv_heads(config), head_dim(config), dtype, device)
+        """A cache sized for a transformers decoder config (``num_hidden_layers``, KV heads, head dim); with ``tp``
+        (:func:`longspec.model.parallel.tensor_parallel`) it holds this rank's KV heads only."""
+        heads = num_kv_heads(config)
+        if tp is not None:
+            from longspec.model.parallel import check_head_split
+
+            check_head_split(config, tp.world)
+            heads //= tp.world
+        return cls(config.num_hidden_layers, batch_size, max_len, heads, head_dim(config), dtype, device, tp)
 
     @property
     def num_layers(self) -> int:

@@ -182,16 +182,26 @@ def save_checkpoint(path: Path, draft, model, optimizer, scheduler, rng: torch.G
 
     model_sd, optim_sd = _full_state(model, optimizer, d)  # collective under FSDP: every rank calls it
     total = counts.total() if counts is not None and counts.size else None  # collective too
+    rngs = _rng_states(rng, d)  # and this: each rank draws its own positions and deltas
     if d.main:
         path.mkdir(parents=True, exist_ok=True)
         draft.save_pretrained(path, state_dict=model_sd)
         if total is not None:
             save_draft_vocab(path, frequent_tokens(total, counts.size))
-        torch.save({"optimizer": optim_sd, "scheduler": scheduler.state_dict(), "rng": rng.get_state(),
+        torch.save({"optimizer": optim_sd, "scheduler": scheduler.state_dict(), "rng": rngs[0], "rng_per_rank": rngs,
                     "step": step, "world": d.world, "token_counts": total}, path / "trainer_state.pt")
         (path.parent / LATEST).write_text(path.name)
     if d.world > 1:
         dist.barrier()
+
+
+def _rng_states(rng: torch.Generator, d: _Dist) -> list[torch.Tensor]:
+    """Every rank's generator state, in rank order, on rank 0 (a collective; the other ranks get an empty list)."""
+    if d.world == 1:
+        return [rng.get_state()]
+    states = [None] * d.world if d.main else None
+    dist.gather_object(rng.get_state(), states, dst=0)
+    return states if d.main else []
 
 
 def _resume(out_dir: Path, draft_cls, target, model, optimizer, scheduler, rng, d: _Dist,
@@ -205,7 +215,9 @@ def _resume(out_dir: Path, draft_cls, target, model, optimizer, scheduler, rng, 
     saved = draft_cls.from_pretrained(ckpt, target=target)
     _load_state(model, optimizer, saved.state_dict(), state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    rng.set_state(state["rng"])
+    # each rank resumes its own generator; checkpoints written before rng_per_rank hold rank 0's only
+    per_rank = state.get("rng_per_rank")
+    rng.set_state(per_rank[d.rank] if per_rank else state["rng"])
     if d.main and state.get("token_counts") is not None and counts.size:
         counts.counts.copy_(state["token_counts"])
     return int(state["step"])
