@@ -17,12 +17,6 @@ import json
 from benchmarks.harness import write_results
 
 
-def accept_by_depth(hist: list[int]) -> list[float]:
-    """Fraction of rounds whose depth-d draft token was accepted, d = 1.. (hist[i]: rounds emitting i + 1 tokens)."""
-    rounds = sum(hist)
-    return [sum(hist[d:]) / rounds for d in range(1, len(hist))]
-
-
 def project(e2e_rows: list[dict], step_rows: list[dict], context: int, method: str) -> list[dict]:
     """One row per (model, compile, temperature) measured at ``context``."""
     pair_rows = {r["T"]: r for r in e2e_rows if r["context"] == context and r["method"] == method}
@@ -37,7 +31,7 @@ def project(e2e_rows: list[dict], step_rows: list[dict], context: int, method: s
             hist = p["accept_hist"]
             tau = sum((i + 1) * c for i, c in enumerate(hist)) / sum(hist)
             out.append({"model": s["model"], "context": context, "compile": s["compile"], "T": temperature,
-                        "tau": tau, "accept_by_depth": "/".join(f"{a:.2f}" for a in accept_by_depth(hist)),
+                        "tau": tau, "accept_by_depth": "/".join(f"{a:.2f}" for a in p["accept_by_depth"]),
                         "decode_ms": s["decode_wall_us"] / 1e3, "round_ms": s["round_wall_us"] / 1e3,
                         "round_per_decode": s["round_wall_us"] / s["decode_wall_us"],
                         "speedup": tau * s["decode_wall_us"] / s["round_wall_us"]})
