@@ -13,8 +13,10 @@ T > 0 seed-exact sampling); ``--fp32-check`` repeats the comparison in float32, 
 Methods: Vanilla HF (``target.generate`` with transformers' eager attention; recorded as out of memory where its
 context x context score matrices do not fit), Vanilla FA (the engine's plain decoding on longspec's kernels), PLD
 (chain of 6), streaming self-speculation (sink 32 + window 1024, chain of 4, MagicDec-style), LongSpec tree
-(4-16-16-16-16) and LongSpec chain (5), plus every ablation draft the recipe trained. Each engine method builds one
-decoder per context (one warm-up, one graph capture) and decodes every prompt at every temperature with it.
+(4-16-16-16-16), LongSpec chain (5) and the adaptive merged drafter (LongSpec tree + PLD chain in one tree under an
+:class:`~longspec.AdaptiveBudget`, calibrated at each context first), plus every ablation draft the recipe trained.
+Each engine method builds one decoder per context (one warm-up, one graph capture) and decodes every prompt at every
+temperature with it.
 Contexts run in the order given, and the results are rewritten after each, so a run cut short keeps what it
 measured; ``--merge`` combines runs split over several device calls.
 Usage (GPU): ``python -m benchmarks.bench_e2e --pair DIR --contexts 32768 65536 16384 8192 4096 --out RESULTS``.
@@ -29,8 +31,10 @@ from dataclasses import dataclass
 
 import torch
 
+from benchmarks.bench_adaptive import ADAPTIVE, TREE, merged_budget
 from benchmarks.harness import write_results as write_results_files
-from longspec import LongSpecDraft, LongSpecDrafter, PromptLookupDrafter, SpeculativeDecoder, StreamingSelfDrafter
+from longspec import (LongSpecDraft, LongSpecDrafter, MergedDrafter, PromptLookupDrafter, SpeculativeDecoder,
+                      StreamingSelfDrafter, TreeSpec)
 from longspec.testing import first_difference
 from longspec.train.corpus import heldout_prompts
 
@@ -64,17 +68,20 @@ def load_pair(pair_dir: str, device: str, dtype: torch.dtype, heldout: str | Non
 
 
 def methods(pair: Pair) -> dict[str, tuple]:
-    """name -> (drafter factory or None, tree shape); Vanilla HF is handled separately."""
+    """name -> (drafter factory or None, tree shape, adaptive budget factory or None); Vanilla HF is handled
+    separately. The adaptive row is the merged LongSpec tree + PLD chain under ``bench_adaptive``'s budget."""
     out = {
-        VANILLA_FA: (lambda: None, (1,)),
-        "PLD chain 6": (PromptLookupDrafter, (1,) * 6),
-        "streaming self-spec chain 4": (lambda: StreamingSelfDrafter(sink=32, window=1024), (1,) * 4),
+        VANILLA_FA: (lambda: None, (1,), None),
+        "PLD chain 6": (PromptLookupDrafter, (1,) * 6, None),
+        "streaming self-spec chain 4": (lambda: StreamingSelfDrafter(sink=32, window=1024), (1,) * 4, None),
     }
     for name, draft in pair.drafts.items():
         label = "LongSpec" if name == "draft" else f"LongSpec ({name.replace('draft_', '')})"
-        out[f"{label} tree"] = (lambda d=draft: LongSpecDrafter(d), (4, 16, 16, 16, 16))
+        out[f"{label} tree"] = (lambda d=draft: LongSpecDrafter(d), TREE, None)
         if name == "draft":
-            out[f"{label} chain 5"] = (lambda d=draft: LongSpecDrafter(d), (1,) * 5)
+            out[f"{label} chain 5"] = (lambda d=draft: LongSpecDrafter(d), (1,) * 5, None)
+            out[ADAPTIVE] = (lambda d=draft: MergedDrafter(LongSpecDrafter(d), PromptLookupDrafter()),
+                             TreeSpec.merged(TREE, (1,) * 6), merged_budget)
     return out
 
 
@@ -119,12 +126,21 @@ def accept_by_depth(hist: list[int], depth: int) -> list[float]:
     return [sum(hist[d:]) / rounds if rounds else 0.0 for d in range(1, depth + 1)]
 
 
-def run_engine(pair: Pair, factory, shape, prompts, new_tokens: int, temperatures, device: str) -> dict:
+def run_engine(pair: Pair, factory, shape, budget_factory, prompts, new_tokens: int, temperatures,
+               device: str) -> dict:
     """{temperature: result} for one method: one decoder (one warm-up, one set of captured graphs) decodes every
-    prompt at every temperature."""
+    prompt at every temperature. An adaptive budget's costs are calibrated first, at this context (not timed in
+    the rows; ``calibrate_s``)."""
     start = _reset_peak(device)
     drafter = factory()
-    dec = SpeculativeDecoder(pair.target, drafter, tree_shape=shape, cuda_graphs=device.startswith("cuda"))
+    budget = budget_factory() if budget_factory is not None else None
+    dec = SpeculativeDecoder(pair.target, drafter, tree_shape=shape, cuda_graphs=device.startswith("cuda"),
+                             budget=budget)
+    calibrate_s = None
+    if budget is not None:
+        t0 = time.perf_counter()
+        budget.costs = dec.calibrate(1, [prompts[0].shape[1] + new_tokens])
+        calibrate_s = time.perf_counter() - t0
     dec.generate(prompts[0], 8, eos_token_id=[])  # warm-up: kernel compilation, graph capture
     tree_rows = 0 if drafter is None else dec.tree.num_nodes
     cache = dec._cache
@@ -134,7 +150,7 @@ def run_engine(pair: Pair, factory, shape, prompts, new_tokens: int, temperature
     for temperature in temperatures:
         emitted = forwards = 0
         seconds = capture = 0.0
-        outputs, lengths = [], []
+        outputs, lengths, nodes = [], [], []
         for i, ids in enumerate(prompts):
             _sync(device)
             out = dec.generate(ids, new_tokens, temperature=temperature, seed=i, eos_token_id=[])
@@ -144,11 +160,13 @@ def run_engine(pair: Pair, factory, shape, prompts, new_tokens: int, temperature
             emitted += sum(sum(a) for a in out.accept_lengths)
             forwards += sum(len(a) for a in out.accept_lengths)
             lengths += out.accept_lengths
+            nodes += out.stats.nodes_per_round
             outputs.append(out.sequences[:, ids.shape[1]:])
         hist = accept_histogram(lengths)
         results[temperature] = {
             "tau": emitted / max(1, forwards), "tokens_per_s": emitted / seconds,
-            "capture_ms_per_call": 1e3 * capture / len(prompts), "draft_bytes": draft_bytes,
+            "capture_ms_per_call": 1e3 * capture / len(prompts), "calibrate_s": calibrate_s,
+            "nodes_per_round": sum(nodes) / len(nodes) if nodes else None, "draft_bytes": draft_bytes,
             "tree_scratch_bytes": tree_rows * per_row, "accept_hist": hist,
             "accept_by_depth": accept_by_depth(hist, dec.tree.depth) if drafter is not None else None,
             **_peak(device, start), "outputs": outputs}
@@ -205,8 +223,8 @@ def bench(pair: Pair, contexts, n_prompts: int, new_tokens: int, temperatures, d
         if hf:
             for temperature in temperatures:
                 results[temperature][VANILLA_HF] = run_hf(pair, prompts, new_tokens, temperature, device)
-        for name, (factory, shape) in methods(pair).items():
-            for temperature, r in run_engine(pair, factory, shape, prompts, new_tokens, temperatures,
+        for name, (factory, shape, budget_factory) in methods(pair).items():
+            for temperature, r in run_engine(pair, factory, shape, budget_factory, prompts, new_tokens, temperatures,
                                              device).items():
                 results[temperature][name] = r
         for temperature in temperatures:
@@ -240,7 +258,7 @@ def _mb(x):
 
 COLUMNS = [("context", "context", ""), ("T", "T", ""), ("method", "method", ""), ("tau", "tau", ".2f"),
            ("tokens_per_s", "tokens/s", ".1f"), ("speedup_vs_FA", "speedup vs FA", ".2f"),
-           ("capture_ms_per_call", "graph capture ms/call", ".0f"),
+           ("capture_ms_per_call", "graph capture ms/call", ".0f"), ("nodes_per_round", "nodes/round", ".1f"),
            ("peak_mb", "peak MB", ".0f"), ("peak_extra_mb", "peak over start MB", ".0f"),
            ("draft_mb", "draft MB", ".2f"), ("tree_scratch_mb", "tree scratch MB", ".2f"),
            ("depth_acceptance", "accepted by depth", ""), ("identical_to_FA", "same as FA", ""),

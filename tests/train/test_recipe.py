@@ -155,7 +155,8 @@ def test_e2e_benchmark_on_the_tiny_pair(tmp_path, fake_site):
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads((tmp_path / "results" / "e2e.json").read_text())["rows"]
     methods = {r["method"] for r in rows}
-    assert {"Vanilla HF", "Vanilla FA", "LongSpec tree", "LongSpec (no_anchor) tree", "PLD chain 6"} <= methods
+    assert {"Vanilla HF", "Vanilla FA", "LongSpec tree", "LongSpec (no_anchor) tree", "PLD chain 6",
+            "adaptive LongSpec+PLD"} <= methods
     assert len(rows) == 2 * len(methods)
     for r in rows:
         if r["method"] != "Vanilla HF":
@@ -164,6 +165,8 @@ def test_e2e_benchmark_on_the_tiny_pair(tmp_path, fake_site):
             assert r["tau"] == pytest.approx(sum((i + 1) * c for i, c in enumerate(r["accept_hist"]))
                                              / sum(r["accept_hist"]))
         assert r["tau"] >= 1.0 and r["tokens_per_s"] > 0 and r["peak_bytes"] is None  # no GPU: not measured
+    adaptive = [r for r in rows if r["method"] == "adaptive LongSpec+PLD"]
+    assert all(r["calibrate_s"] > 0 and r["nodes_per_round"] >= 1 for r in adaptive)
     longspec = next(r for r in rows if r["method"] == "LongSpec tree")
     assert longspec["draft_bytes"] > 0 and longspec["tree_scratch_bytes"] > 0
     assert len(longspec["accept_by_depth"]) == 5 and longspec["tau"] == pytest.approx(
