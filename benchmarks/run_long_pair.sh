@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The long-context pair on one H200 (issue 18), in three device calls of < 10 minutes each, continuing the pair that
-# was shipped before (commit 981101f^: trained on 8k windows). What ran, phase by phase:
+# was shipped before (its files at commit 274aa6e^: trained on 8k windows; the package now ships the result, so to
+# replay, check those out into a directory and pass it as INIT). What ran, phase by phase:
 #   phase 1: recipe long-context mode, stages data + target (the target continued on 32k then 64k windows); returns
 #            the recipe dir's target and recipe.json as 15 MB tar parts under $OUT.
 #   phase 2: stages drafts (from the shipped draft, 32k windows, KL, anchor-offset to 64k) + short (the paper's
@@ -16,13 +17,12 @@ OUT=${OUT:-$PWD/gpu-out}
 INIT=${INIT:-longspec/assets/code-pair}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-recipe() {
-  python3 -m longspec.recipes.code_pair --out /tmp/r --scale h200 --init-target "$INIT/target" \
-    --init-draft "$INIT/draft" --set long_seconds=210 "$@"
-}
+# an array, not a function: `timeout` runs programs only
+recipe=(python3 -m longspec.recipes.code_pair --out /tmp/r --scale h200 --init-target "$INIT/target"
+        --init-draft "$INIT/draft" --set long_seconds=210)
 case $phase in
 1)
-  timeout 545 recipe --stages data target > "$OUT/recipe1.log" 2>&1; echo "recipe exit $?"
+  timeout 545 "${recipe[@]}" --stages data target > "$OUT/recipe1.log" 2>&1; echo "recipe exit $?"
   cp /tmp/r/recipe.json "$OUT/" && tar -C /tmp/r -cf - target | split -b 15m - "$OUT/pair1.tar.part-"
   ;;
 2)
@@ -31,7 +31,7 @@ case $phase in
   mkdir -p /tmp/r && cp gpu-carry/r/recipe.json /tmp/r/ && cp -r gpu-carry/r/target /tmp/r/ || exit 1
   python3 -c "import lzma, shutil; shutil.copyfileobj(lzma.open('/tmp/r/target/model.safetensors.xz'),
 open('/tmp/r/target/model.safetensors', 'wb'))" && rm /tmp/r/target/model.safetensors.xz
-  timeout 530 recipe --stages drafts short --export /tmp/pair > "$OUT/recipe2.log" 2>&1; echo "recipe exit $?"
+  timeout 530 "${recipe[@]}" --stages drafts short --export /tmp/pair > "$OUT/recipe2.log" 2>&1; echo "recipe exit $?"
   cp /tmp/r/recipe.json "$OUT/"; wait
   tar -C /tmp -cf - pair | split -b 15m - "$OUT/pair.tar.part-"
   ;;

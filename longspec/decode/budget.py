@@ -26,6 +26,7 @@ changes what is emitted: every option is a tree verified by the same lossless ru
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -221,12 +222,11 @@ class AcceptanceStats:
         """What the draft and tail steps mutate (restored after their graph warm-up runs)."""
         return [self.proposed, self.accepted, self.curve, self.seen]
 
-    def keys(self, depths: Tensor, scores: Optional[Tensor], sources: Optional[Tensor]) -> Tensor:
-        """int64 ``[B, T]`` table cells of the nodes."""
-        if scores is None:
-            scores = torch.zeros(depths.shape, device=depths.device)
+    def keys(self, depths: Tensor, scores: Tensor, sources: Tensor) -> Tensor:
+        """int64 ``[B, T]`` table cells of the nodes (scores and sources as :meth:`AdaptiveBudget.shape` fills
+        them)."""
         bucket = (-scores / SCORE_BUCKET).nan_to_num(posinf=NUM_BUCKETS).floor().clamp(0, NUM_BUCKETS - 1).long()
-        src = torch.ones_like(depths) if sources is None else sources.clamp(0, self.sources - 1)
+        src = sources.clamp(0, self.sources - 1)
         return (src * (self.max_depth + 1) + depths.clamp(0, self.max_depth)) * NUM_BUCKETS + bucket
 
     def estimate(self, keys: Tensor) -> Tensor:
@@ -350,6 +350,11 @@ class AdaptiveBudget:
         expected tau of every option this pool contains. Returns ``(tree, predicted tau [])``, the expected tau of
         the kept tree averaged over the active rows."""
         option = self.options[index]
+        # the statistics' keys need both (and so does the captured tail, which takes tensors only): a single
+        # drafter's nodes are all part 0's (bit 0) and a drafter without scores vouches for every node (top bucket)
+        pool = dataclasses.replace(
+            pool, scores=torch.zeros(pool.depths.shape, device=pool.depths.device) if pool.scores is None
+            else pool.scores, sources=torch.ones_like(pool.depths) if pool.sources is None else pool.sources)
         p = stats.estimate(stats.keys(pool.depths, pool.scores, pool.sources))
         p[:, 0] = 1.0  # the root: the bonus token, always emitted
         # capped by every ancestor's: a node never ranks above its parent, so the kept set is ancestor-closed

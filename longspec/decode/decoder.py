@@ -426,12 +426,8 @@ class SpeculativeDecoder:
                 logits = self._verify_logits(run, draft.tokens, draft.mask, draft.depths)
             with timer.phase("accept"):
                 inputs = (draft.tokens, draft.parents, draft.mask, draft.depths)
-                if run.stats is not None:  # tensors only (a captured tail copies its inputs): a single drafter's
-                    # tree has no sources (all part 0's: ones, as AcceptanceStats.keys reads None) and may have no
-                    # scores (zeros: the top bucket)
-                    inputs += (torch.zeros(draft.depths.shape, device=draft.depths.device)
-                               if draft.scores is None else draft.scores,
-                               torch.ones_like(draft.depths) if draft.sources is None else draft.sources)
+                if run.stats is not None:  # the budget's trees carry both (AdaptiveBudget.shape, root_tree)
+                    inputs += (draft.scores, draft.sources)
                 emitted, kept = self._tail(run, "accept", logits, *inputs)
             run.nodes.append(draft.tokens.shape[1])
             if predicted is not None:
