@@ -255,11 +255,7 @@ class SpeculativeDecoder:
             if streamer is not None:
                 streamer(run.state.root[:, None], torch.ones_like(run.generated))
             with self._compiled_layers():
-                t1 = None
-                while self._sync(run):  # the round's one host sync
-                    t1 = t1 or time.perf_counter()  # the first sync closes the prefill
-                    self._round(run, timer, streamer)
-            t1 = t1 or time.perf_counter()
+                t1 = self._rounds(run, timer, streamer)
             sequences = output_sequences(input_ids.to(device), prompt, run.state.tokens, run.generated,
                                          pad_id(self.target, eos))
         t2 = time.perf_counter()
@@ -397,19 +393,63 @@ class SpeculativeDecoder:
             hidden_last = picked if hidden_last is None else torch.where(in_chunk, picked, hidden_last)
         return lm_logits(self.target, hidden_last)
 
-    def _sync(self, run: Run) -> bool:
-        """The round's one host sync: whether any row is still active; under a budget the same read also brings
-        the committed length and every option's running expected tau for the next choice."""
+    def _rounds(self, run: Run, timer: PhaseTimer, streamer: Optional[Streamer]) -> float:
+        """Run rounds until no row is active; returns when the prefill ended (``perf_counter``), i.e. its first read.
+
+        Each round's one host read (whether any row is still active) is copied back asynchronously, and the host
+        runs one round ahead: it enqueues round k + 1 before it waits for the read after round k, so the host's work
+        between rounds (the read, the budget's choice, the launches) overlaps the device's instead of leaving it
+        idle. When that read finds no active row, round k + 1 ran on finished rows only, where it emits, commits and
+        moves nothing; its entries are dropped (its device time is the price of the overlap, once per call). The
+        budget's choice for round k + 1 uses the statistics read after round k - 1.
+        """
+        read = self._read(run)
+        alive = read()  # the first read ends the prefill
+        t1 = time.perf_counter()
+        if alive:
+            self._round(run, timer, streamer)
+            read = self._read(run)
+        while alive:
+            marks = (len(run.history), len(run.nodes), len(run.predicted))
+            self._round(run, timer, streamer)  # round k + 1, enqueued before the read after round k is in
+            after = self._read(run)
+            alive = read()
+            if not alive:
+                del run.history[marks[0]:], run.nodes[marks[1]:], run.predicted[marks[2]:]
+            read = after
+        return t1
+
+    def _read(self, run: Run) -> Callable[[], bool]:
+        """Enqueue the round's one device-to-host read; the returned function waits for it and says whether any
+        row is still active. Under a budget the same read brings the committed length and every option's running
+        expected tau for the next choice (into ``run``)."""
         state, stats = run.state, run.stats
-        if stats is None:
-            return bool(state.active.any())
         active = state.active.float()
         n = active.sum()
-        values = torch.cat([n[None], ((state.seqlens.float() * active).sum() / n.clamp(min=1))[None], stats.curve,
-                            stats.seen.float()]).tolist()
-        k = len(stats.curve)
-        run.context, run.curve, run.seen = values[1], values[2: 2 + k], [v > 0 for v in values[2 + k:]]
-        return values[0] > 0
+        if stats is None:
+            values = n[None]
+        else:
+            values = torch.cat([n[None], ((state.seqlens.float() * active).sum() / n.clamp(min=1))[None],
+                                stats.curve, stats.seen.float()])
+        event = None
+        if values.is_cuda:
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            host.copy_(values, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = values
+
+        def wait() -> bool:
+            if event is not None:
+                event.synchronize()
+            got = host.tolist()
+            if stats is not None:
+                k = len(stats.curve)
+                run.context, run.curve, run.seen = got[1], got[2: 2 + k], [v > 0 for v in got[2 + k:]]
+            return got[0] > 0
+
+        return wait
 
     def _round(self, run: Run, timer: PhaseTimer, streamer: Optional[Streamer], option: Optional[int] = None) -> None:
         """One round on the device: [draft,] target forward, tail. No host sync (the caller reads ``active``)."""
