@@ -10,7 +10,8 @@ not (``--compile both``):
   reduced drafting vocabulary (``--draft-vocab``, the most frequent tokens; here of random counts, since the cost
   does not depend on which tokens);
 * **accept**: the tail after a verify (draws at every node, acceptance, stops, ``commit_kv_``, state update);
-* **round**: draft + verify + accept as ``generate`` runs them, its one host sync per round included.
+* **round**: draft + verify + accept as ``generate`` runs them (wall time; its host enqueues the next round before
+  it waits for the last, one wait per round).
 
 Floors, timed in the same process: every ``nn.Linear`` of the target (LM head included) at M = 1 and at M = 69 in
 one CUDA graph; the layers' attention kernels (``prefix_attn`` at M = 1, ``hybrid_tree_attn`` at the tree's
@@ -95,7 +96,8 @@ def _graph_us(fn, iters: int) -> float:
 
 
 def round_times(dec, context: int, iters: int) -> dict:
-    """Per-phase device time (PhaseTimer events) and the wall time of whole rounds with their host sync, in us.
+    """Per-phase device time (PhaseTimer events) and the wall time of whole rounds as ``generate`` runs them (its
+    host one round ahead of the device, waiting for each round once), in us.
 
     The first round captures the graphs (and compiles, with ``compile=True``): its wall time is reported as the
     first-use cost. Returns the run too (its cache serves the attention floor)."""
@@ -114,9 +116,14 @@ def round_times(dec, context: int, iters: int) -> dict:
         phases = {k: v * 1e6 / iters for k, v in timer.seconds().items()}
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        for _ in range(iters):
+        done = None
+        for _ in range(iters):  # as generate runs rounds: round k + 1 is enqueued before the host waits for round k
             dec.step(run)
-            bool(run.state.active.any())  # generate's one host sync per round
+            if done is not None:
+                done.synchronize()
+            done = torch.cuda.Event()
+            done.record()
+        done.synchronize()
         wall = (time.perf_counter() - t0) * 1e6 / iters
     return {"phases_us": phases, "round_wall_us": wall, "first_round_s": first, "run": run}
 
@@ -246,7 +253,7 @@ COLUMNS = [("model", "model", ""), ("gpus", "GPUs", ""), ("context", "N", ""), (
            ("round_wall_us", "round", ".0f"), ("round_per_decode", "round/decode", ".2f"),
            ("round_reduced_per_decode", "reduced round/decode", ".2f"), ("first_round_spec_s", "first round s", ".1f")]
 NOTES = ["Random weights, bf16, batch 1, CUDA graphs; times in us. decode = a plain round (forward + tail); round = "
-         "draft + verify + accept with its host sync (wall); floors: every linear of the model plus the layers' "
+         "draft + verify + accept as generate runs them (wall; the host one round ahead, one wait per round); floors: every linear of the model plus the layers' "
          "attention kernels, timed in this run. `python -m benchmarks.bench_step_latency`",
          "GPUs > 1: the target tensor-parallel over them (`torchrun --nproc-per-node K -m benchmarks.bench_step_latency "
          "--tp`), the draft replicated; per-GPU floors are not timed there (blank), and bytes_floor is one rank's "
