@@ -28,6 +28,7 @@ import json
 import os
 import time
 from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
 
@@ -127,7 +128,7 @@ def accept_by_depth(hist: list[int], depth: int) -> list[float]:
 
 
 def run_engine(pair: Pair, factory, shape, budget_factory, prompts, new_tokens: int, temperatures,
-               device: str) -> dict:
+               device: str, compile: bool = False) -> dict:
     """{temperature: result} for one method: one decoder (one warm-up, one set of captured graphs) decodes every
     prompt at every temperature. An adaptive budget's costs are calibrated first, at this context (not timed in
     the rows; ``calibrate_s``)."""
@@ -135,13 +136,13 @@ def run_engine(pair: Pair, factory, shape, budget_factory, prompts, new_tokens: 
     drafter = factory()
     budget = budget_factory() if budget_factory is not None else None
     dec = SpeculativeDecoder(pair.target, drafter, tree_shape=shape, cuda_graphs=device.startswith("cuda"),
-                             budget=budget)
+                             budget=budget, compile=compile)
     calibrate_s = None
     if budget is not None:
         t0 = time.perf_counter()
         budget.costs = dec.calibrate(1, [prompts[0].shape[1] + new_tokens])
         calibrate_s = time.perf_counter() - t0
-    dec.generate(prompts[0], 8, eos_token_id=[])  # warm-up: kernel compilation, graph capture
+    dec.generate(prompts[0], 8, eos_token_id=[])  # warm-up: kernel compilation (torch.compile too), graph capture
     tree_rows = 0 if drafter is None else dec.tree.num_nodes
     cache = dec._cache
     per_row = cache.kv[:, :, 0, 0].numel() * cache.kv.element_size()  # one row of K and V over all layers
@@ -212,9 +213,10 @@ def run_hf(pair: Pair, prompts, new_tokens: int, temperature: float, device: str
 
 
 def bench(pair: Pair, contexts, n_prompts: int, new_tokens: int, temperatures, device: str, hf: bool,
-          on_rows=None) -> list[dict]:
-    """Every method at every (context, temperature), contexts in the order given; ``on_rows(rows)`` is called
-    after each context (so a run cut short keeps what it measured)."""
+          on_rows=None, compile: bool = False, only: Optional[Sequence[str]] = None) -> list[dict]:
+    """Every method (or those named in ``only``; Vanilla FA always, as the baseline) at every (context,
+    temperature), contexts in the order given; ``on_rows(rows)`` is called after each context (so a run cut short
+    keeps what it measured). ``compile``: the decoders' ``compile=True`` (compiled in each method's warm-up)."""
     rows = []
     for ctx in contexts:
         prompts, packages = heldout_prompts(pair.heldout, pair.tokenizer, ctx, n_prompts, seed=ctx)
@@ -224,8 +226,10 @@ def bench(pair: Pair, contexts, n_prompts: int, new_tokens: int, temperatures, d
             for temperature in temperatures:
                 results[temperature][VANILLA_HF] = run_hf(pair, prompts, new_tokens, temperature, device)
         for name, (factory, shape, budget_factory) in methods(pair).items():
+            if only and name != VANILLA_FA and name not in only:
+                continue
             for temperature, r in run_engine(pair, factory, shape, budget_factory, prompts, new_tokens, temperatures,
-                                             device).items():
+                                             device, compile).items():
                 results[temperature][name] = r
         for temperature in temperatures:
             base = results[temperature][VANILLA_FA]
@@ -378,6 +382,11 @@ def main(argv=None) -> None:
                     help="then decode one prompt per context in float32 with every engine method and record whether "
                          "each output equals Vanilla FA's (identical_fp32; e2e_fp32.json)")
     ap.add_argument("--fp32-new-tokens", type=_positive, default=64)
+    ap.add_argument("--compile", action="store_true",
+                    help="decoders with compile=True (torch.compile of the target's layers, the drafters' propose "
+                         "and the tail; compiled in each method's warm-up, not timed)")
+    ap.add_argument("--methods", nargs="+", metavar="NAME",
+                    help="only these engine methods (by row name; Vanilla FA always runs as the baseline)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="default: benchmarks/results/<gpu>/")
     a = ap.parse_args(argv)
@@ -407,10 +416,14 @@ def main(argv=None) -> None:
         ap.error(str(err))
     dtype = torch.bfloat16 if a.device.startswith("cuda") else torch.float32
     pair = load_pair(a.pair, a.device, dtype, a.heldout)
-    meta = {"device": a.device, "dtype": str(dtype), "prompts_per_context": a.prompts, "new_tokens": a.new_tokens}
+    names = set(methods(pair)) - {VANILLA_FA}
+    if a.methods and not set(a.methods) <= names:
+        ap.error(f"argument --methods: unknown {sorted(set(a.methods) - names)}; the methods are {sorted(names)}")
+    meta = {"device": a.device, "dtype": str(dtype), "prompts_per_context": a.prompts, "new_tokens": a.new_tokens,
+            "compile": a.compile}
     with torch.inference_mode():
         rows = bench(pair, a.contexts, a.prompts, a.new_tokens, a.temperatures, a.device, hf=not a.no_hf,
-                     on_rows=lambda rows: write_results(rows, meta, a.out))
+                     on_rows=lambda rows: write_results(rows, meta, a.out), compile=a.compile, only=a.methods)
     if a.fp32_check:
         del pair
         pair32 = load_pair(a.pair, a.device, torch.float32, a.heldout)
