@@ -33,8 +33,8 @@ import torch
 
 from benchmarks.bench_adaptive import ADAPTIVE, TREE, merged_budget
 from benchmarks.harness import write_results as write_results_files
-from longspec import (LongSpecDraft, LongSpecDrafter, MergedDrafter, PromptLookupDrafter, SpeculativeDecoder,
-                      StreamingSelfDrafter, TreeSpec)
+from longspec import (LongSpecDraft, LongSpecDrafter, MergedDrafter, Numerics, PromptLookupDrafter,
+                      SpeculativeDecoder, StreamingSelfDrafter, TreeSpec)
 from longspec.testing import first_difference
 from longspec.train.corpus import heldout_prompts
 
@@ -127,15 +127,15 @@ def accept_by_depth(hist: list[int], depth: int) -> list[float]:
 
 
 def run_engine(pair: Pair, factory, shape, budget_factory, prompts, new_tokens: int, temperatures,
-               device: str) -> dict:
+               device: str, numerics: str = "fast") -> dict:
     """{temperature: result} for one method: one decoder (one warm-up, one set of captured graphs) decodes every
     prompt at every temperature. An adaptive budget's costs are calibrated first, at this context (not timed in
-    the rows; ``calibrate_s``)."""
+    the rows; ``calibrate_s``). ``numerics``: the decoder's :class:`~longspec.Numerics`, by name."""
     start = _reset_peak(device)
     drafter = factory()
     budget = budget_factory() if budget_factory is not None else None
     dec = SpeculativeDecoder(pair.target, drafter, tree_shape=shape, cuda_graphs=device.startswith("cuda"),
-                             budget=budget)
+                             budget=budget, numerics=Numerics[numerics.upper()])
     calibrate_s = None
     if budget is not None:
         t0 = time.perf_counter()
@@ -212,7 +212,7 @@ def run_hf(pair: Pair, prompts, new_tokens: int, temperature: float, device: str
 
 
 def bench(pair: Pair, contexts, n_prompts: int, new_tokens: int, temperatures, device: str, hf: bool,
-          on_rows=None) -> list[dict]:
+          on_rows=None, numerics: str = "fast") -> list[dict]:
     """Every method at every (context, temperature), contexts in the order given; ``on_rows(rows)`` is called
     after each context (so a run cut short keeps what it measured)."""
     rows = []
@@ -225,7 +225,7 @@ def bench(pair: Pair, contexts, n_prompts: int, new_tokens: int, temperatures, d
                 results[temperature][VANILLA_HF] = run_hf(pair, prompts, new_tokens, temperature, device)
         for name, (factory, shape, budget_factory) in methods(pair).items():
             for temperature, r in run_engine(pair, factory, shape, budget_factory, prompts, new_tokens, temperatures,
-                                             device).items():
+                                             device, numerics).items():
                 results[temperature][name] = r
         for temperature in temperatures:
             base = results[temperature][VANILLA_FA]
@@ -379,6 +379,9 @@ def main(argv=None) -> None:
                          "each output equals Vanilla FA's (identical_fp32; e2e_fp32.json)")
     ap.add_argument("--fp32-new-tokens", type=_positive, default=64)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--numerics", choices=("fast", "invariant"), default="fast",
+                    help="every engine method's numerics (longspec.Numerics); invariant: speculative output equals "
+                         "Vanilla FA's bit for bit in bf16 too (issue 22)")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="default: benchmarks/results/<gpu>/")
     a = ap.parse_args(argv)
     if a.replot:
@@ -407,10 +410,11 @@ def main(argv=None) -> None:
         ap.error(str(err))
     dtype = torch.bfloat16 if a.device.startswith("cuda") else torch.float32
     pair = load_pair(a.pair, a.device, dtype, a.heldout)
-    meta = {"device": a.device, "dtype": str(dtype), "prompts_per_context": a.prompts, "new_tokens": a.new_tokens}
+    meta = {"device": a.device, "dtype": str(dtype), "prompts_per_context": a.prompts, "new_tokens": a.new_tokens,
+            "numerics": a.numerics}
     with torch.inference_mode():
         rows = bench(pair, a.contexts, a.prompts, a.new_tokens, a.temperatures, a.device, hf=not a.no_hf,
-                     on_rows=lambda rows: write_results(rows, meta, a.out))
+                     on_rows=lambda rows: write_results(rows, meta, a.out), numerics=a.numerics)
     if a.fp32_check:
         del pair
         pair32 = load_pair(a.pair, a.device, torch.float32, a.heldout)
