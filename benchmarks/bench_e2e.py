@@ -34,8 +34,8 @@ import torch
 
 from benchmarks.bench_adaptive import ADAPTIVE, TREE, merged_budget
 from benchmarks.harness import write_results as write_results_files
-from longspec import (LongSpecDraft, LongSpecDrafter, MergedDrafter, PromptLookupDrafter, SpeculativeDecoder,
-                      StreamingSelfDrafter, TreeSpec)
+from longspec import (LongSpecDraft, LongSpecDrafter, MergedDrafter, Numerics, PromptLookupDrafter,
+                      SpeculativeDecoder, StreamingSelfDrafter, TreeSpec)
 from longspec.testing import first_difference
 from longspec.train.corpus import heldout_prompts
 
@@ -128,15 +128,15 @@ def accept_by_depth(hist: list[int], depth: int) -> list[float]:
 
 
 def run_engine(pair: Pair, factory, shape, budget_factory, prompts, new_tokens: int, temperatures,
-               device: str, compile: bool = False) -> dict:
+               device: str, compile: bool = False, numerics: str = "fast") -> dict:
     """{temperature: result} for one method: one decoder (one warm-up, one set of captured graphs) decodes every
     prompt at every temperature. An adaptive budget's costs are calibrated first, at this context (not timed in
-    the rows; ``calibrate_s``)."""
+    the rows; ``calibrate_s``). ``numerics``: the decoder's :class:`~longspec.Numerics`, by name."""
     start = _reset_peak(device)
     drafter = factory()
     budget = budget_factory() if budget_factory is not None else None
     dec = SpeculativeDecoder(pair.target, drafter, tree_shape=shape, cuda_graphs=device.startswith("cuda"),
-                             budget=budget, compile=compile)
+                             budget=budget, compile=compile, numerics=Numerics[numerics.upper()])
     calibrate_s = None
     if budget is not None:
         t0 = time.perf_counter()
@@ -213,10 +213,12 @@ def run_hf(pair: Pair, prompts, new_tokens: int, temperature: float, device: str
 
 
 def bench(pair: Pair, contexts, n_prompts: int, new_tokens: int, temperatures, device: str, hf: bool,
-          on_rows=None, compile: bool = False, only: Optional[Sequence[str]] = None) -> list[dict]:
+          on_rows=None, compile: bool = False, only: Optional[Sequence[str]] = None,
+          numerics: str = "fast") -> list[dict]:
     """Every method (or those named in ``only``; Vanilla FA always, as the baseline) at every (context,
     temperature), contexts in the order given; ``on_rows(rows)`` is called after each context (so a run cut short
-    keeps what it measured). ``compile``: the decoders' ``compile=True`` (compiled in each method's warm-up)."""
+    keeps what it measured). ``compile``: the decoders' ``compile=True`` (compiled in each method's warm-up);
+    ``numerics``: their :class:`~longspec.Numerics`, by name."""
     rows = []
     for ctx in contexts:
         prompts, packages = heldout_prompts(pair.heldout, pair.tokenizer, ctx, n_prompts, seed=ctx)
@@ -229,7 +231,7 @@ def bench(pair: Pair, contexts, n_prompts: int, new_tokens: int, temperatures, d
             if only and name != VANILLA_FA and name not in only:
                 continue
             for temperature, r in run_engine(pair, factory, shape, budget_factory, prompts, new_tokens, temperatures,
-                                             device, compile).items():
+                                             device, compile, numerics).items():
                 results[temperature][name] = r
         for temperature in temperatures:
             base = results[temperature][VANILLA_FA]
@@ -388,6 +390,9 @@ def main(argv=None) -> None:
     ap.add_argument("--methods", nargs="+", metavar="NAME",
                     help="only these engine methods (by row name; Vanilla FA always runs as the baseline)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--numerics", choices=("fast", "invariant"), default="fast",
+                    help="every engine method's numerics (longspec.Numerics); invariant: speculative output equals "
+                         "Vanilla FA's bit for bit in bf16 too (issue 22)")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="default: benchmarks/results/<gpu>/")
     a = ap.parse_args(argv)
     if a.replot:
@@ -420,10 +425,11 @@ def main(argv=None) -> None:
     if a.methods and not set(a.methods) <= names:
         ap.error(f"argument --methods: unknown {sorted(set(a.methods) - names)}; the methods are {sorted(names)}")
     meta = {"device": a.device, "dtype": str(dtype), "prompts_per_context": a.prompts, "new_tokens": a.new_tokens,
-            "compile": a.compile}
+            "compile": a.compile, "numerics": a.numerics}
     with torch.inference_mode():
         rows = bench(pair, a.contexts, a.prompts, a.new_tokens, a.temperatures, a.device, hf=not a.no_hf,
-                     on_rows=lambda rows: write_results(rows, meta, a.out), compile=a.compile, only=a.methods)
+                     on_rows=lambda rows: write_results(rows, meta, a.out), compile=a.compile, only=a.methods,
+                     numerics=a.numerics)
     if a.fp32_check:
         del pair
         pair32 = load_pair(a.pair, a.device, torch.float32, a.heldout)

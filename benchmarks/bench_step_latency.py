@@ -26,6 +26,8 @@ which changes no step's cost (:func:`longspec.testing.published_target`). ``--mo
 trained pair (``longspec.pretrained``).
 
 Usage (GPU): ``python -m benchmarks.bench_step_latency --models Llama-3-8B Qwen2.5-32B pair --contexts 8192 32768``.
+``--numerics both`` adds rows for ``Numerics.INVARIANT`` (issue 22) beside the fast ones, with their round and
+decode costs over the fast row's (``round vs fast``).
 
 **Tensor-parallel targets** (issue 23): ``torchrun --nproc-per-node K -m benchmarks.bench_step_latency --tp ...``
 shards the random target over K GPUs with transformers' tensor-parallel plan
@@ -172,8 +174,9 @@ def _local_bytes(t: torch.Tensor) -> int:
 
 
 def measure(name: str, contexts: list[int], compiles: list[bool], draft_vocab: int, iters: int, peaks: dict,
-            on_row=lambda row: None, tp: bool = False, cuda_graphs: bool = True, device: str = "cuda") -> list:
-    from longspec import LongSpecDrafter, SpeculativeDecoder
+            on_row=lambda row: None, tp: bool = False, cuda_graphs: bool = True, device: str = "cuda",
+            numerics: tuple[str, ...] = ("fast",)) -> list:
+    from longspec import LongSpecDrafter, Numerics, SpeculativeDecoder
     from longspec.model.draft import frequent_tokens
 
     target, draft = target_and_draft(name, device, tp)
@@ -184,17 +187,18 @@ def measure(name: str, contexts: list[int], compiles: list[bool], draft_vocab: i
         reduced = frequent_tokens(counts, draft_vocab)
     weights = sum(_local_bytes(p) for p in target.parameters())  # this rank's share under --tp
     rows = []
-    for compile in compiles:
-        plain = SpeculativeDecoder(target, None, cuda_graphs=cuda_graphs, compile=compile)
+    for compile, mode in [(c, n) for c in compiles for n in numerics]:
+        num = Numerics[mode.upper()]
+        plain = SpeculativeDecoder(target, None, cuda_graphs=cuda_graphs, compile=compile, numerics=num)
         spec = SpeculativeDecoder(target, LongSpecDrafter(draft), tree_shape=TREE, cuda_graphs=cuda_graphs,
-                                  compile=compile)
+                                  compile=compile, numerics=num)
         T = spec.tree.num_nodes
         for context in contexts:
             draft.set_draft_vocab(None)
             d = round_times(plain, context, iters)
             s = round_times(spec, context, iters)
-            row = {"model": name, "context": context, "compile": compile, "gpus": spec.tp.world if spec.tp else 1,
-                   "cuda_graphs": cuda_graphs,
+            row = {"model": name, "context": context, "compile": compile, "numerics": mode,
+                   "gpus": spec.tp.world if spec.tp else 1, "cuda_graphs": cuda_graphs,
                    "decode_us": d["phases_us"]["verify"] + d["phases_us"]["accept"],
                    "decode_forward_us": d["phases_us"]["verify"], "decode_wall_us": d["round_wall_us"],
                    "verify_us": s["phases_us"]["verify"], "draft_us": s["phases_us"]["draft"],
@@ -203,7 +207,7 @@ def measure(name: str, contexts: list[int], compiles: list[bool], draft_vocab: i
             if reduced is not None:
                 draft.set_draft_vocab(reduced)
                 spec_r = SpeculativeDecoder(target, LongSpecDrafter(draft), tree_shape=TREE,
-                                            cuda_graphs=cuda_graphs, compile=compile)
+                                            cuda_graphs=cuda_graphs, compile=compile, numerics=num)
                 r = round_times(spec_r, context, iters)
                 row["draft_vocab"] = draft_vocab
                 row["draft_reduced_us"] = r["phases_us"]["draft"]
@@ -214,12 +218,13 @@ def measure(name: str, contexts: list[int], compiles: list[bool], draft_vocab: i
             cache = s["run"].state.cache
             kv_bytes = cache.kv[:, :, :, :context].numel() * cache.kv.element_size()
             row["bytes_floor_us"] = (weights + kv_bytes) / peaks["copy_bytes_per_s"] * 1e6
-            if not tp:
+            if not tp and mode == "fast":  # the floors are cuBLAS and the fast kernels: timed once per row pair
                 row["linears_m1_us"] = linear_floor_us(target, 1, iters)
                 row["linears_mT_us"] = linear_floor_us(target, T, iters)
                 row["attn_decode_us"] = attention_floor_us(d["run"], context, 1, iters)
                 row["attn_verify_us"] = attention_floor_us(s["run"], context, T, iters)
             _ratios(row)
+            _versus_fast(row, rows)
             rows.append(row)
             on_row(row)
             if _main_rank():
@@ -228,6 +233,17 @@ def measure(name: str, contexts: list[int], compiles: list[bool], draft_vocab: i
         torch.cuda.empty_cache()
     draft.set_draft_vocab(None)
     return rows
+
+
+def _versus_fast(row: dict, rows: list[dict]) -> None:
+    """An invariant row's costs over the fast row of the same model, context and compile setting (issue 22's
+    target: round <= 1.2x)."""
+    fast = next((r for r in rows if r["numerics"] == "fast" and r["model"] == row["model"]
+                 and r["context"] == row["context"] and r["compile"] == row["compile"]), None)
+    if row["numerics"] == "fast" or fast is None:
+        return
+    for key in ("round_wall_us", "decode_wall_us", "verify_us", "decode_us"):
+        row[key.replace("_us", "") + "_vs_fast"] = row[key] / fast[key]
 
 
 def _main_rank() -> bool:
@@ -247,17 +263,22 @@ def _ratios(row: dict) -> None:
 
 
 COLUMNS = [("model", "model", ""), ("gpus", "GPUs", ""), ("context", "N", ""), ("compile", "compile", ""),
+           ("numerics", "numerics", ""),
            ("decode_us", "decode", ".0f"), ("decode_floor_us", "floor", ".0f"), ("decode_vs_floor", "x", ".2f"),
            ("verify_us", "verify", ".0f"), ("verify_floor_us", "floor", ".0f"), ("verify_vs_floor", "x", ".2f"),
            ("draft_us", "draft", ".0f"), ("draft_reduced_us", "draft (reduced)", ".0f"), ("accept_us", "accept", ".0f"),
            ("round_wall_us", "round", ".0f"), ("round_per_decode", "round/decode", ".2f"),
-           ("round_reduced_per_decode", "reduced round/decode", ".2f"), ("first_round_spec_s", "first round s", ".1f")]
+           ("round_reduced_per_decode", "reduced round/decode", ".2f"), ("first_round_spec_s", "first round s", ".1f"),
+           ("round_wall_vs_fast", "round vs fast", ".2f"), ("decode_wall_vs_fast", "decode vs fast", ".2f")]
 NOTES = ["Random weights, bf16, batch 1, CUDA graphs; times in us. decode = a plain round (forward + tail); round = "
          "draft + verify + accept as generate runs them (wall; the host one round ahead, one wait per round); floors: every linear of the model plus the layers' "
          "attention kernels, timed in this run. `python -m benchmarks.bench_step_latency`",
          "GPUs > 1: the target tensor-parallel over them (`torchrun --nproc-per-node K -m benchmarks.bench_step_latency "
          "--tp`), the draft replicated; per-GPU floors are not timed there (blank), and bytes_floor is one rank's "
-         "weights and cache."]
+         "weights and cache.",
+         "numerics invariant: the batch-invariant kernels (`Numerics.INVARIANT`, `--numerics both`); its rows carry "
+         "no floors and compare with the fast row of the same model, N and compile setting (issue 22: round vs "
+         "fast <= 1.2)."]
 
 
 def write(rows: list[dict], meta: dict, out_dir: str, plot: bool = True, suite: str = "step_latency"):
@@ -301,6 +322,8 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=os.environ.get("OUT"), help="default: benchmarks/results/<gpu>/")
     ap.add_argument("--tp", action="store_true", help="under torchrun: the target tensor-parallel over the ranks")
     ap.add_argument("--cuda-graphs", choices=("on", "off"), default="on")
+    ap.add_argument("--numerics", choices=("fast", "invariant", "both"), default="fast",
+                    help="the target's numerics (longspec.Numerics); both: fast and invariant rows in one run")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_step_latency needs a CUDA device")
@@ -310,6 +333,7 @@ def main(argv=None) -> None:
     device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
     torch.cuda.set_device(device)
     compiles = {"on": [True], "off": [False], "both": [True, False]}[a.compile]
+    numerics = ("fast", "invariant") if a.numerics == "both" else (a.numerics,)
     peaks = measure_peaks()
     meta = {"tree": "-".join(map(str, TREE)), "copy TB/s": round(peaks["copy_bytes_per_s"] / 1e12, 2)}
     if a.tp:
@@ -325,7 +349,7 @@ def main(argv=None) -> None:
     for name in a.models:
         vocab_size = a.draft_vocab if name != "pair" else min(a.draft_vocab, 2048)
         measure(name, a.contexts, compiles, vocab_size, a.iters, peaks, on_row, tp=a.tp,
-                cuda_graphs=a.cuda_graphs == "on", device=device)
+                cuda_graphs=a.cuda_graphs == "on", device=device, numerics=numerics)
         torch.cuda.empty_cache()
     if _main_rank():
         print((write(rows, meta, a.out, suite=suite) / f"{suite}.md").read_text(), flush=True)

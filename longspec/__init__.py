@@ -16,6 +16,7 @@ _EXPORTS = {
     "LongSpecDraftConfig": "longspec.model.draft",
     "LongSpecDrafter": "longspec.decode.longspec_drafter",
     "MergedDrafter": "longspec.decode",
+    "Numerics": "longspec.decode",
     "PromptLookupDrafter": "longspec.decode",
     "SpeculativeDecoder": "longspec.decode",
     "StreamingSelfDrafter": "longspec.decode",
@@ -25,8 +26,8 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
-    from .decode import (AdaptiveBudget, MergedDrafter, PromptLookupDrafter, SpeculativeDecoder, StreamingSelfDrafter,
-                         TreeSpec)
+    from .decode import (AdaptiveBudget, MergedDrafter, Numerics, PromptLookupDrafter, SpeculativeDecoder,
+                         StreamingSelfDrafter, TreeSpec)
     from .decode.longspec_drafter import LongSpecDrafter
     from .model.draft import LongSpecDraft, LongSpecDraftConfig
 

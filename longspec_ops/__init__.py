@@ -31,8 +31,11 @@ from .ops import (  # noqa: E402
     commit_kv_,
     draft_cross_attn,
     hybrid_tree_attn,
+    invariant_attn,
+    invariant_linear,
     merge_attn_states,
     prefix_attn,
+    rms_norm,
     tree_attn,
 )
 
@@ -47,7 +50,10 @@ __all__ = [
     "draft_cross_attn",
     "has_cuda_kernels",
     "hybrid_tree_attn",
+    "invariant_attn",
+    "invariant_linear",
     "merge_attn_states",
     "prefix_attn",
+    "rms_norm",
     "tree_attn",
 ]

@@ -210,3 +210,72 @@ def check_commit_values(kv_cache: Tensor, cache_seqlens: Tensor, accept_index: T
     reach = int(torch.where(valid, base + torch.maximum(idx, torch.arange(A, device=idx.device)), 0).max())
     if reach > N - 1:
         _fail(op, f"cache_seqlens + accept_index reaches row {reach}, beyond the cache's {N} rows")
+
+
+def check_invariant_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> None:
+    op = "invariant_linear"
+    if not isinstance(x, Tensor) or x.dim() < 1:
+        _fail(op, f"x must be a Tensor [..., K], got {getattr(x, 'shape', type(x).__name__)}")
+    _rank(op, "weight", weight, 2, "[N, K]")
+    if x.dtype not in _FLOATS:
+        _fail(op, f"x must be float16, bfloat16, float32 or float64, got {x.dtype}")
+    if weight.dtype != x.dtype:
+        _fail(op, f"weight must have x's dtype {x.dtype}, got {weight.dtype}")
+    if weight.shape[1] != x.shape[-1]:
+        _fail(op, f"weight must be [N, K] with K = x's last dimension ({x.shape[-1]}), got {tuple(weight.shape)}")
+    _last_dim_contiguous(op, "weight", weight)
+    tensors = {"x": x, "weight": weight}
+    if bias is not None:
+        _rank(op, "bias", bias, 1, "[N]")
+        if bias.shape[0] != weight.shape[0] or bias.dtype != x.dtype:
+            _fail(op, f"bias must be {x.dtype} [N] = ({weight.shape[0]},), got {bias.dtype} {tuple(bias.shape)}")
+        tensors["bias"] = bias
+    _same_device(op, **tensors)
+
+
+def check_rms_norm(x: Tensor, weight: Tensor, eps: float) -> None:
+    op = "rms_norm"
+    if not isinstance(x, Tensor) or x.dim() < 1:
+        _fail(op, f"x must be a Tensor [..., H], got {getattr(x, 'shape', type(x).__name__)}")
+    _rank(op, "weight", weight, 1, "[H]")
+    if x.dtype not in _FLOATS or weight.dtype not in _FLOATS:
+        _fail(op, f"x and weight must be floating point, got {x.dtype} and {weight.dtype}")
+    if weight.shape[0] != x.shape[-1]:
+        _fail(op, f"weight must be [H] with H = x's last dimension ({x.shape[-1]}), got {tuple(weight.shape)}")
+    if not (eps >= 0.0) or eps == float("inf"):
+        _fail(op, f"eps must be a finite float >= 0, got {eps}")
+    _same_device(op, x=x, weight=weight)
+
+
+def check_invariant_attn(q, k_cache, v_cache, cache_seqlens, ancestors, depths, scale) -> None:
+    op = "invariant_attn"
+    _qkv(op, q, "k_cache", k_cache, "v_cache", v_cache, "[B, N, Hkv, D]")
+    _lengths(op, "cache_seqlens", cache_seqlens, q, allow_per_query=False)
+    B, M = q.shape[0], q.shape[1]
+    if not isinstance(ancestors, Tensor) or ancestors.dtype not in _INTS:
+        _fail(op, f"ancestors must be an int32 Tensor [B, M, A], got {getattr(ancestors, 'dtype', type(ancestors).__name__)}")
+    if ancestors.dim() != 3 or tuple(ancestors.shape[:2]) != (B, M) or ancestors.shape[2] < 1:
+        _fail(op, f"ancestors must have shape [B, M, A] = ({B}, {M}, A >= 1), got {tuple(ancestors.shape)}")
+    if not isinstance(depths, Tensor) or depths.dtype not in _INTS or tuple(depths.shape) != (B, M):
+        _fail(op, f"depths must be int32 [B, M] = ({B}, {M}), got "
+                  f"{getattr(depths, 'dtype', type(depths).__name__)} {tuple(getattr(depths, 'shape', ()))}")
+    _scale(op, scale)
+    _same_device(op, q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, ancestors=ancestors,
+                 depths=depths)
+
+
+def check_invariant_attn_values(k_cache: Tensor, cache_seqlens: Tensor, ancestors: Tensor, depths: Tensor) -> None:
+    """Every depth within ``[0, A)`` and every query's last key row ``cache_seqlens + ancestors[.., depth]`` inside
+    the cache. Skipped under capture or tracing."""
+    op = "invariant_attn"
+    if depths.numel() == 0 or not _values_readable(cache_seqlens, ancestors, depths):
+        return
+    check_lengths(op, "cache_seqlens", cache_seqlens, k_cache.shape[1])
+    check_lengths(op, "depths", depths, ancestors.shape[2] - 1)
+    seen = torch.arange(ancestors.shape[2], device=depths.device)[None, None, :] <= depths.to(torch.int64)[..., None]
+    anc = torch.where(seen, ancestors.to(torch.int64), 0)
+    if int(anc.min()) < 0:
+        _fail(op, "ancestors values must be >= 0")
+    reach = int((cache_seqlens.to(torch.int64)[:, None, None] + anc).max())
+    if reach > k_cache.shape[1] - 1:
+        _fail(op, f"cache_seqlens + ancestors reaches row {reach}, beyond the cache's {k_cache.shape[1]} rows")

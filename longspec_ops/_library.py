@@ -25,6 +25,7 @@ from torch import Tensor
 
 from . import _checks
 from .reference import attention as ref
+from .reference import invariant as inv_ref
 
 lib = torch.library.Library("longspec", "FRAGMENT")
 
@@ -41,6 +42,12 @@ def _kernels():
     from . import kernels
 
     return kernels
+
+
+def _invariant_kernels():
+    from .kernels import invariant_launch
+
+    return invariant_launch
 
 
 # merge_attn_states ---------------------------------------------------------------------------------------------
@@ -288,6 +295,96 @@ def _commit_cuda(kv_cache, cache_seqlens, accept_index, accept_lens):
 
 
 lib.impl("commit_kv_", _commit_cuda, "CUDA")
+
+
+# Invariant numerics (longspec.decode.Numerics.INVARIANT) ----------------------------------------------------------
+# A row's result does not depend on how many rows the call holds (see longspec_ops/kernels/invariant.py): the
+# target's forwards use these so that a token's logits in a verify forward equal plain decoding's bit for bit.
+lib.define("invariant_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+
+
+@torch.library.register_fake("longspec::invariant_linear", lib=lib)
+def _invariant_linear_fake(x, weight, bias):
+    _checks.check_invariant_linear(x, weight, bias)
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _invariant_linear_cpu(x, weight, bias):
+    _checks.check_invariant_linear(x, weight, bias)
+    return inv_ref.invariant_linear(x, weight, bias)
+
+
+def _invariant_linear_cuda(x, weight, bias):
+    _checks.check_invariant_linear(x, weight, bias)
+    if x.dtype == torch.float64:
+        return inv_ref.invariant_linear(x, weight, bias)
+    return _invariant_kernels().invariant_linear(x, weight, bias)
+
+
+lib.impl("invariant_linear", _invariant_linear_cpu, "CPU")
+lib.impl("invariant_linear", _invariant_linear_cuda, "CUDA")
+
+lib.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
+
+
+@torch.library.register_fake("longspec::rms_norm", lib=lib)
+def _rms_norm_fake(x, weight, eps):
+    _checks.check_rms_norm(x, weight, eps)
+    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+
+
+def _rms_norm_cpu(x, weight, eps):
+    _checks.check_rms_norm(x, weight, eps)
+    return inv_ref.rms_norm(x, weight, eps)
+
+
+def _rms_norm_cuda(x, weight, eps):
+    _checks.check_rms_norm(x, weight, eps)
+    if x.dtype == torch.float64:
+        return inv_ref.rms_norm(x, weight, eps)
+    return _invariant_kernels().rms_norm(x, weight, eps)
+
+
+lib.impl("rms_norm", _rms_norm_cpu, "CPU")
+lib.impl("rms_norm", _rms_norm_cuda, "CUDA")
+
+lib.define(
+    "invariant_attn("
+    "Tensor q, "
+    "Tensor k_cache, "
+    "Tensor v_cache, "
+    "Tensor cache_seqlens, "
+    "Tensor ancestors, "
+    "Tensor depths, "
+    "float scale"
+    ") -> (Tensor out, Tensor lse)"
+)
+
+
+@torch.library.register_fake("longspec::invariant_attn", lib=lib)
+def _invariant_attn_fake(q, k_cache, v_cache, cache_seqlens, ancestors, depths, scale):
+    _checks.check_invariant_attn(q, k_cache, v_cache, cache_seqlens, ancestors, depths, scale)
+    return _empty_outputs(q)
+
+
+def _invariant_attn_cpu(q, k_cache, v_cache, cache_seqlens, ancestors, depths, scale):
+    _checks.check_invariant_attn(q, k_cache, v_cache, cache_seqlens, ancestors, depths, scale)
+    _checks.check_invariant_attn_values(k_cache, cache_seqlens, ancestors, depths)
+    out, lse = inv_ref.invariant_attn(q, k_cache, v_cache, cache_seqlens, ancestors, depths, scale)
+    return out.contiguous(), lse
+
+
+def _invariant_attn_cuda(q, k_cache, v_cache, cache_seqlens, ancestors, depths, scale):
+    _checks.check_invariant_attn(q, k_cache, v_cache, cache_seqlens, ancestors, depths, scale)
+    if q.dtype == torch.float64:
+        out, lse = inv_ref.invariant_attn(q, k_cache, v_cache, cache_seqlens.clamp(0, k_cache.shape[1]), ancestors,
+                                          depths, scale)
+        return out.contiguous(), lse
+    return _invariant_kernels().invariant_attn(q, k_cache, v_cache, cache_seqlens, ancestors, depths, scale)
+
+
+lib.impl("invariant_attn", _invariant_attn_cpu, "CPU")
+lib.impl("invariant_attn", _invariant_attn_cuda, "CUDA")
 
 
 def register_reference_cuda_fallbacks() -> None:

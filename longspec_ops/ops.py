@@ -146,3 +146,66 @@ def commit_kv_(kv_cache: Tensor, cache_seqlens: Tensor, accept_index: Tensor, ac
         _checks.check_commit(kv_cache, cache_seqlens, accept_index, accept_lens)
         _checks.check_commit_values(kv_cache, cache_seqlens, accept_index, accept_lens)
     _ops.commit_kv_(kv_cache, cache_seqlens, accept_index, accept_lens)
+
+
+def invariant_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """``x @ weight.T + bias`` whose every output row is independent of the other rows of the call.
+
+    Args:
+        x: ``[..., K]``; weight: ``[N, K]`` (x's dtype); bias: ``[N]`` or None.
+
+    Returns:
+        ``[..., N]`` in x's dtype, accumulated in float32. On CUDA one fixed tile configuration serves every M and
+        there is no split-K, so a row computed alone equals the same row inside a larger call bit for bit.
+    """
+    return _ops.invariant_linear(x, weight, bias)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
+    """transformers' LlamaRMSNorm, one row at a time: ``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)``.
+
+    Args:
+        x: ``[..., H]``; weight: ``[H]``; eps: added to the mean square.
+
+    Returns:
+        ``[..., H]`` in ``promote_types(x.dtype, weight.dtype)``; on CUDA each row's reduction is independent of the
+        row count.
+    """
+    return _ops.rms_norm(x, weight, float(eps))
+
+
+def invariant_attn(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    cache_seqlens: Tensor,
+    ancestors: Tensor,
+    depths: Tensor,
+    scale: Optional[float] = None,
+) -> tuple[Tensor, Tensor]:
+    """Attention of M queries (tree nodes, or one decode token) over exactly the keys plain decoding would see.
+
+    Query m of row b sees the committed rows ``[0, cache_seqlens[b])`` and then, at positions
+    ``cache_seqlens[b] + j`` for ``j <= depths[b, m]``, cache row ``cache_seqlens[b] + ancestors[b, m, j]`` (its
+    depth-j ancestor's K/V, written there by this forward; j = depths[b, m] is the query itself). On CUDA the keys
+    are reduced in splits at fixed absolute positions, so the result for a query equals bit for bit a one-token
+    call (``ancestors = depths = 0``) after its ancestors are committed.
+
+    Args:
+        q: ``[B, M, Hq, D]``; k_cache, v_cache: ``[B, N, Hkv, D]``; cache_seqlens: int32 ``[B]``.
+        ancestors: int32 ``[B, M, A]`` (A > max depth); depths: int32 ``[B, M]``.
+        scale: softmax scale, default ``1/sqrt(D)``.
+
+    Returns:
+        ``(out [B, M, Hq, D], lse float32 [B, Hq, M])``.
+
+    Example::
+
+        >>> q = torch.randn(1, 1, 4, 64); kc = vc = torch.randn(1, 128, 2, 64)
+        >>> zero = torch.zeros(1, 1, 1, dtype=torch.int32)
+        >>> out, lse = invariant_attn(q, kc, vc, torch.tensor([100], dtype=torch.int32), zero, zero[..., 0])
+    """
+    if isinstance(k_cache, Tensor) and k_cache.is_cuda:
+        _checks.check_invariant_attn(q, k_cache, v_cache, cache_seqlens, ancestors, depths, _scale(q, scale))
+        _checks.check_invariant_attn_values(k_cache, cache_seqlens, ancestors, depths)
+    return _ops.invariant_attn(q, k_cache, v_cache, cache_seqlens, ancestors, depths, _scale(q, scale))

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .budget import AdaptiveBudget, BudgetOption, CostModel
-from .decoder import GenerateOutput, KVUpdate, SpeculativeDecoder
+from .decoder import GenerateOutput, KVUpdate, Numerics, SpeculativeDecoder
 from .drafter import DecodeState, Drafter, DraftTree, TreeSpec
 from .merge import MergedDrafter
 from .pld import PromptLookupDrafter
@@ -21,6 +21,7 @@ __all__ = [
     "GenerateOutput",
     "KVUpdate",
     "MergedDrafter",
+    "Numerics",
     "PromptLookupDrafter",
     "SamplingParams",
     "SpeculativeDecoder",

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 import longspec_ops  # noqa: F401  (registers torch.ops.longspec)
+from longspec.model.invariant import InvariantTarget
 from longspec.model.parallel import tensor_parallel
 from longspec.model.target import (
     CompiledTarget,
@@ -72,6 +73,26 @@ class KVUpdate(enum.Enum):
 
     COMMIT = enum.auto()
     REFEED = enum.auto()
+
+
+class Numerics(enum.Enum):
+    """How the target's decode and verify forwards round.
+
+    FAST: the fastest kernels (cuBLAS linears, PyTorch norms, split-KV attention sized by the launch). In float32
+          speculative output equals plain decoding's; in bf16 a near-tie of the next-token logits may flip, because
+          a verify forward (T tokens) and a decode forward (1 token) reduce in different orders.
+    INVARIANT: batch-invariant kernels (:mod:`longspec.model.invariant`): one fixed GEMM tiling for every M with no
+          split-K, row-wise RMSNorm, and attention split at fixed absolute key positions where each tree node sees
+          exactly the keys decoding would after its ancestors are committed. A token's logits inside a verify
+          forward are then bitwise equal to plain decoding's (``drafter=None`` in this mode: the reference) for any
+          tree, drafter and batch row, in bf16 too, so the output equals plain decoding in this mode token for
+          token. The prefill (identical for both) stays FAST. Cost: not yet measured on a GPU (``python -m
+          benchmarks.bench_step_latency --numerics both``); expect the linears to cost more than cuBLAS's at
+          decode widths. Needs ``KVUpdate.COMMIT`` and a target on one device (no tensor parallelism).
+    """
+
+    FAST = enum.auto()
+    INVARIANT = enum.auto()
 
 
 @dataclass
@@ -151,6 +172,8 @@ class SpeculativeDecoder:
             highest expected tokens per second; None verifies the whole ``tree_shape`` tree every round. Its cost
             model is calibrated at the first ``generate`` of each batch size unless given (see
             :meth:`calibrate`).
+        numerics: :class:`Numerics`; ``Numerics.INVARIANT`` makes the target's decode and verify forwards
+            batch-invariant, so that speculative output equals plain decoding in that mode bit for bit in any dtype.
 
     A target sharded by transformers' tensor-parallel plan (:func:`longspec.model.parallel.load_tensor_parallel`
     under ``torchrun``) is decoded the same way on every rank: each rank's cache holds its KV heads only, every
@@ -178,11 +201,15 @@ class SpeculativeDecoder:
         compile: bool = False,
         phase_times: bool = False,
         budget: Optional[AdaptiveBudget] = None,
+        numerics: Numerics = Numerics.FAST,
     ) -> None:
         check_supported(target)
         # a target sharded by transformers' tensor-parallel plan: every rank runs this same loop on its local heads
         self.tp = tensor_parallel(target)
         _check_drafter(target, drafter, kv_update)
+        _check_numerics(numerics, kv_update, self.tp)
+        self.numerics = numerics
+        self._invariant = InvariantTarget(target) if numerics is Numerics.INVARIANT else None
         if not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be an int >= 1, got {prefill_chunk_size!r}")
         self.target = target
@@ -588,13 +615,20 @@ class SpeculativeDecoder:
     # -- target forwards (the capturable parts) -------------------------------------------------------------------
 
     def _decode_logits(self, root: Tensor) -> Tensor:
-        hidden = forward_extend(self.target, self._cache, root)
-        return lm_logits(self.target, hidden)
+        with self._numerics():
+            hidden = forward_extend(self.target, self._cache, root, invariant=self._invariant is not None)
+            return lm_logits(self.target, hidden)
 
     def _tree_logits(self, tokens: Tensor, mask: Tensor, depths: Tensor) -> Tensor:
         positions = tree_positions(self._cache.seqlens, depths)
-        hidden = forward_tree(self.target, self._cache, tokens, positions, mask)
-        return lm_logits(self.target, hidden)
+        with self._numerics():
+            hidden = forward_tree(self.target, self._cache, tokens, positions, mask,
+                                  invariant=self._invariant is not None)
+            return lm_logits(self.target, hidden)
+
+    def _numerics(self) -> contextlib.AbstractContextManager:
+        """The target's invariant linears and norms for one forward (Numerics.INVARIANT), else nothing."""
+        return self._invariant.active() if self._invariant is not None else contextlib.nullcontext()
 
     def _refeed_tree_logits(self, pending: Tensor, pending_len: Tensor, tokens: Tensor, mask: Tensor,
                             depths: Tensor) -> Tensor:
@@ -634,6 +668,17 @@ class SpeculativeDecoder:
 
 
 # -- helpers --------------------------------------------------------------------------------------------------------
+
+
+def _check_numerics(numerics: Numerics, kv_update: KVUpdate, tp) -> None:
+    if not isinstance(numerics, Numerics):
+        raise TypeError(f"numerics must be a Numerics (Numerics.FAST or Numerics.INVARIANT), got {numerics!r}")
+    if numerics is Numerics.INVARIANT and kv_update is not KVUpdate.COMMIT:
+        raise ValueError("Numerics.INVARIANT needs kv_update=KVUpdate.COMMIT: a re-fed path is attended as new "
+                         "tokens, not as the committed rows plain decoding reads")
+    if numerics is Numerics.INVARIANT and tp is not None:
+        raise ValueError("Numerics.INVARIANT does not support a tensor-parallel target (its sharded linears and "
+                         "all-reduces are not batch-invariant)")
 
 
 def _check_drafter(target: torch.nn.Module, drafter: Optional[Drafter], kv_update: KVUpdate) -> None:

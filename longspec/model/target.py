@@ -13,6 +13,10 @@ unknown kwargs to the attention function unchanged, and builds no mask for an im
   (so ``commit_kv_`` can compact the accepted path afterwards) and attention is ``hybrid_tree_attn`` over the
   committed rows ``[0, seqlens[b])`` plus the tree block: a rejected node is never visible to a later round.
 
+With ``invariant=True`` (:mod:`longspec.model.invariant`) both phases attend through ``invariant_attn`` instead:
+each query sees the committed rows and then its ancestors' rows in depth order (for EXTEND, the tokens before it),
+the key sequence plain decoding sees at that token, reduced in an order that does not depend on the forward's width.
+
 Layout: the cache holds every layer's K and V in one contiguous tensor ``kv [L, 2, B, N, Hkv, D]`` (flash-attn
 layout per layer); token j of a row sits at cache row j and absolute (RoPE) position j. For a tensor-parallel target
 (:mod:`longspec.model.parallel`) each rank's cache holds only its ``Hkv / K`` KV heads, the ones its attention
@@ -30,6 +34,8 @@ from torch import Tensor
 from transformers import AttentionInterface
 
 import longspec_ops  # noqa: F401  (registers torch.ops.longspec)
+
+from .invariant import chain_ancestors, tree_ancestors
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -173,7 +179,11 @@ class AttentionStep:
     batch:     int64 ``[B, S]`` the batch row of each entry of ``rows`` (the scatter's other index).
     kv_lens:   int32 ``[B, S]`` (EXTEND) rows ``[0, kv_lens[b, i])`` visible to query i.
     tree_mask: bool ``[B, S, S]`` (TREE) tree query i sees tree key j.
-    seqlens:   int32 ``[B]`` (TREE) committed rows every query sees, usually ``cache.seqlens``.
+    seqlens:   int32 ``[B]`` (TREE, and EXTEND when invariant) committed rows every query sees, usually
+               ``cache.seqlens``.
+    ancestors: int32 ``[B, S, S]`` (invariant numerics) each new token's ancestors among the new tokens, in depth
+               order, with ``depths`` int32 ``[B, S]``: attention is then ``invariant_attn``
+               (:func:`longspec.model.invariant.tree_ancestors`).
     checked:   whether a layer of this forward already ran the attention op with its argument checks; the other
                layers then call its unchecked twin (every layer passes the same shapes, dtypes and devices).
     """
@@ -185,18 +195,28 @@ class AttentionStep:
     kv_lens: Optional[Tensor] = None
     tree_mask: Optional[Tensor] = None
     seqlens: Optional[Tensor] = None
+    ancestors: Optional[Tensor] = None
+    depths: Optional[Tensor] = None
     checked: bool = False
 
     @classmethod
-    def extend(cls, cache: StaticKVCache, num_new: int) -> "AttentionStep":
+    def extend(cls, cache: StaticKVCache, num_new: int, invariant: bool = False) -> "AttentionStep":
         rows = cache.seqlens.to(torch.int64)[:, None] + torch.arange(num_new, device=cache.seqlens.device)
-        return cls(Phase.EXTEND, cache, rows, _batch_index(rows), kv_lens=(rows + 1).to(torch.int32))
+        step = cls(Phase.EXTEND, cache, rows, _batch_index(rows), kv_lens=(rows + 1).to(torch.int32))
+        if invariant:
+            step.seqlens = cache.seqlens
+            step.ancestors, step.depths = chain_ancestors(rows.shape[0], num_new, rows.device)
+        return step
 
     @classmethod
-    def tree(cls, cache: StaticKVCache, tree_mask: Tensor, seqlens: Optional[Tensor] = None) -> "AttentionStep":
+    def tree(cls, cache: StaticKVCache, tree_mask: Tensor, seqlens: Optional[Tensor] = None,
+             invariant: bool = False) -> "AttentionStep":
         seqlens = cache.seqlens if seqlens is None else seqlens
         rows = seqlens.to(torch.int64)[:, None] + torch.arange(tree_mask.shape[1], device=tree_mask.device)
-        return cls(Phase.TREE, cache, rows, _batch_index(rows), tree_mask=tree_mask, seqlens=seqlens)
+        step = cls(Phase.TREE, cache, rows, _batch_index(rows), tree_mask=tree_mask, seqlens=seqlens)
+        if invariant:
+            step.ancestors, step.depths = tree_ancestors(tree_mask)
+        return step
 
 
 def longspec_attention(
@@ -234,7 +254,10 @@ def longspec_attention(
     # by torch.compile, the checked op's fake checks at trace time and costs nothing at run time.
     checked = step.checked and not torch.compiler.is_compiling()
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if step.phase is Phase.EXTEND:
+    if step.ancestors is not None:
+        out, _ = torch.ops.longspec.invariant_attn(q, layer_kv[0], layer_kv[1], step.seqlens, step.ancestors,
+                                                   step.depths, scale)
+    elif step.phase is Phase.EXTEND:
         op = torch.ops.longspec._prefix_attn_kernel if checked else torch.ops.longspec.prefix_attn
         out, _ = op(q, layer_kv[0], layer_kv[1], step.kv_lens, scale)
     else:
@@ -346,12 +369,15 @@ def _run(model: "PreTrainedModel", input_ids: Tensor, position_ids: Tensor, step
     return out.last_hidden_state
 
 
-def forward_extend(model: "PreTrainedModel", cache: StaticKVCache, input_ids: Tensor) -> Tensor:
+def forward_extend(model: "PreTrainedModel", cache: StaticKVCache, input_ids: Tensor,
+                   invariant: bool = False) -> Tensor:
     """Append ``input_ids`` (int64 ``[B, S]``) after each row's committed tokens; return hidden ``[B, S, H]``.
 
     Token i of row b is at position and cache row ``cache.seqlens[b] + i``. ``cache.seqlens`` is not advanced.
+    ``invariant``: attention through ``invariant_attn`` (run the forward inside
+    :meth:`longspec.model.invariant.InvariantTarget.active` for the linears and norms).
     """
-    step = AttentionStep.extend(cache, input_ids.shape[1])
+    step = AttentionStep.extend(cache, input_ids.shape[1], invariant)
     return _run(model, input_ids, step.rows, step)
 
 
@@ -362,14 +388,18 @@ def forward_tree(
     position_ids: Tensor,
     tree_mask: Tensor,
     seqlens: Optional[Tensor] = None,
+    invariant: bool = False,
 ) -> Tensor:
     """Run T tree tokens (int64 ``[B, T]``) at RoPE positions ``position_ids`` (int64 ``[B, T]``) under
     ``tree_mask`` (bool ``[B, T, T]``) over the committed rows ``[0, seqlens[b])`` (default ``cache.seqlens``);
     return hidden ``[B, T, H]``.
 
-    Their K/V land in scratch rows ``seqlens[b] + [0, T)``; ``cache.seqlens`` is not advanced.
+    Their K/V land in scratch rows ``seqlens[b] + [0, T)``; ``cache.seqlens`` is not advanced. ``invariant``:
+    attention through ``invariant_attn``, which needs an ancestor-or-self ``tree_mask`` whose parents precede
+    their children (every tree the decoder verifies); each node then sees exactly the keys plain decoding sees at
+    it once its ancestors are committed.
     """
-    step = AttentionStep.tree(cache, tree_mask, seqlens)
+    step = AttentionStep.tree(cache, tree_mask, seqlens, invariant)
     return _run(model, input_ids, position_ids, step)
 
 

@@ -96,3 +96,28 @@ def test_commit_rejects_and_loses_nothing():
     with pytest.raises(ValueError, match=r"kv_cache must be 5-D"):
         ops.commit_kv_(kv[0], lens, torch.zeros(B, 2, dtype=torch.int32), torch.ones(B, dtype=torch.int32))
     assert torch.equal(kv, before)  # a rejected call leaves the cache untouched
+
+
+def test_invariant_ops_reject():
+    a = _args()
+    anc = torch.zeros(B, M, 2, dtype=torch.int32)
+    dep = torch.zeros(B, M, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"ancestors must have shape \[B, M, A\]"):
+        ops.invariant_attn(a["q"], a["k_cache"], a["v_cache"], a["cache_seqlens"], anc[:, :1], dep, 0.3)
+    with pytest.raises(ValueError, match="depths must be int32"):
+        ops.invariant_attn(a["q"], a["k_cache"], a["v_cache"], a["cache_seqlens"], anc, dep.float(), 0.3)
+    with pytest.raises(ValueError, match=r"depths values must lie in \[0, 1\]"):
+        ops.invariant_attn(a["q"], a["k_cache"], a["v_cache"], a["cache_seqlens"], anc, dep + 2, 0.3)
+    with pytest.raises(ValueError, match="beyond the cache's 10 rows"):
+        ops.invariant_attn(a["q"], a["k_cache"], a["v_cache"], a["cache_seqlens"], anc + 1, dep, 0.3)
+    x = torch.randn(B, M, 8)
+    with pytest.raises(ValueError, match=r"weight must be \[N, K\] with K = x's last dimension \(8\)"):
+        longspec_ops.invariant_linear(x, torch.randn(4, 6))
+    with pytest.raises(ValueError, match="weight must have x's dtype"):
+        longspec_ops.invariant_linear(x, torch.randn(4, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"bias must be torch.float32 \[N\]"):
+        longspec_ops.invariant_linear(x, torch.randn(4, 8), torch.randn(5))
+    with pytest.raises(ValueError, match=r"weight must be \[H\] with H = x's last dimension"):
+        longspec_ops.rms_norm(x, torch.randn(7))
+    with pytest.raises(ValueError, match="eps must be a finite float >= 0"):
+        longspec_ops.rms_norm(x, torch.randn(8), -1.0)

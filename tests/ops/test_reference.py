@@ -169,7 +169,52 @@ def _sample_args():
         "draft_cross_attn": (q, kc, vc, torch.tensor([[3, 4, 5], [1, 2, 3]], dtype=torch.int32), lens, 0.3),
         "commit_kv_": (kv, torch.tensor([2, 3], dtype=torch.int32), torch.tensor([[0, 2], [0, 1]], dtype=torch.int32),
                        torch.tensor([2, 1], dtype=torch.int32)),
+        "invariant_attn": (q, kc, vc, torch.tensor([5, 2], dtype=torch.int32), _chain_ancestors(B, M),
+                           torch.tensor([[0, 1, 2], [0, 1, 1]], dtype=torch.int32), 0.3),
+        "invariant_linear": (q.reshape(B, M, Hq * D), torch.randn(5, Hq * D), torch.randn(5)),
+        "rms_norm": (q, torch.rand(D), 1e-6),
     }
+
+
+def _chain_ancestors(B: int, M: int) -> torch.Tensor:
+    return torch.arange(M, dtype=torch.int32).expand(B, M, M).contiguous()
+
+
+@pytest.mark.parametrize("heads", HEADS)
+def test_invariant_attn_against_naive(heads):
+    """Query m sees rows [0, N) and its ancestors' rows N + anc[m, :depth + 1]: the naive full-mask softmax over
+    those rows."""
+    from longspec_ops.reference import invariant as inv
+
+    Hq, Hkv = heads
+    B, M, N, D = 2, 4, 20, 8
+    q, kc, vc, _, _ = _qkv(B, M, N, Hq, Hkv, D, dtype=torch.float64, seed=7)
+    seqlens = torch.tensor([9, 0], dtype=torch.int32)
+    anc = torch.tensor([[[0, 0, 0], [0, 1, 0], [0, 2, 0], [0, 2, 3]]] * 2, dtype=torch.int32)
+    depths = torch.tensor([[0, 1, 1, 2]] * 2, dtype=torch.int32)
+    visible = torch.zeros(B, M, N, dtype=torch.bool)
+    for b in range(B):
+        n = int(seqlens[b])
+        visible[b, :, :n] = True
+        for m in range(M):
+            visible[b, m, n + anc[b, m, :int(depths[b, m]) + 1].long()] = True
+    out, lse = inv.invariant_attn(q, kc, vc, seqlens, anc, depths, 0.3)
+    o_n, l_n = naive_attention(q, kc, vc, visible, 0.3)
+    assert (out - o_n).abs().max() < TOL and (lse.double() - l_n).abs().max() < 1e-5
+
+
+def test_rms_norm_and_linear_against_transformers():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from longspec_ops.reference import invariant as inv
+
+    x = torch.randn(3, 5, 16)
+    norm = LlamaRMSNorm(16, eps=1e-5)
+    torch.nn.init.normal_(norm.weight)
+    assert torch.equal(inv.rms_norm(x, norm.weight.detach(), 1e-5), norm(x).detach())  # the same float32 ops
+    x = x.double()
+    w, b = torch.randn(7, 16, dtype=torch.float64), torch.randn(7, dtype=torch.float64)
+    assert (inv.invariant_linear(x, w, b) - torch.nn.functional.linear(x, w, b)).abs().max() < TOL
 
 
 @pytest.mark.parametrize("name", list(_sample_args()))

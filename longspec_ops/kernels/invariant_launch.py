@@ -1,0 +1,143 @@
+"""Launchers of the batch-invariant kernels (:mod:`.invariant`) and their one fixed configuration per dtype.
+
+Invariance holds between launches of the *same* configuration: every tile size below is a function of the dtype
+(and, for attention, of the GQA group size) only, never of M, the committed length or the batch. Overriding
+``config`` is for tests and sweeps; a decoder must use one configuration for its decode and verify forwards.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .attention import _LOG2E
+from .configs import _cdiv, _next_pow2
+from .invariant import _invariant_merge_kernel, _invariant_split_kernel, _linear_kernel, _rms_norm_kernel
+from .launch import _dot_precision
+
+
+@dataclass(frozen=True)
+class InvariantConfig:
+    """Fixed tiles of the invariant kernels (every field a sweep knob for the GPU benchmark).
+
+    Attributes:
+        linear_block_m, linear_block_n, linear_block_k: the GEMM tile (M rows x N outputs x K step); no split-K.
+        linear_warps, linear_stages: its Triton launch options.
+        attn_block_m: rows (query, GQA head) per attention tile; a tile holds ``attn_block_m // G`` queries (raised
+            to the next power of two >= G when G is larger).
+        attn_block_n: keys per block; ``split``: keys per KV split, a multiple of ``attn_block_n``. Split s covers
+            absolute key positions ``[s * split, (s + 1) * split)`` in every launch.
+        attn_warps, attn_stages: launch options of the split kernel; ``merge_block_r``: rows per merge program.
+    """
+
+    linear_block_m: int = 64
+    linear_block_n: int = 64
+    linear_block_k: int = 64
+    linear_warps: int = 4
+    linear_stages: int = 3
+    attn_block_m: int = 64
+    attn_block_n: int = 64
+    split: int = 2048
+    attn_warps: int = 4
+    attn_stages: int = 2
+    merge_block_r: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("linear_block_m", "linear_block_n", "linear_block_k", "attn_block_m", "attn_block_n",
+                     "merge_block_r"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"InvariantConfig.{name} must be a power of two >= 16, got {value}")
+        if self.split < self.attn_block_n or self.split % self.attn_block_n:
+            raise ValueError(f"InvariantConfig.split must be a positive multiple of attn_block_n "
+                             f"({self.attn_block_n}), got {self.split}")
+
+
+# 16-bit inputs use tensor cores (64-row tiles: one Hopper warpgroup MMA); float32 runs IEEE dots on FMA units and
+# takes small tiles. Not yet swept on a GPU.
+_CONFIGS = {
+    True: InvariantConfig(),
+    False: InvariantConfig(linear_block_m=32, linear_block_n=32, linear_block_k=32, linear_stages=2,
+                           attn_block_m=32, attn_block_n=32, attn_stages=1),
+}
+
+
+def invariant_config(dtype: torch.dtype) -> InvariantConfig:
+    """The one configuration of ``dtype``'s launches."""
+    return _CONFIGS[dtype in (torch.float16, torch.bfloat16)]
+
+
+def invariant_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], *,
+                     config: Optional[InvariantConfig] = None) -> Tensor:
+    """``x [..., K] @ weight[N, K]^T (+ bias [N])`` -> ``[..., N]`` in x's dtype, float32 accumulation."""
+    cfg = config or invariant_config(x.dtype)
+    K = x.shape[-1]
+    N = weight.shape[0]
+    x2 = x.reshape(-1, K)
+    if x2.shape[0] > 0 and K > 1 and x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M and N:
+        grid = (_cdiv(M, cfg.linear_block_m) * _cdiv(N, cfg.linear_block_n),)
+        _linear_kernel[grid](
+            x2, weight, bias if bias is not None else weight, y, M, N, K, x2.stride(0), weight.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_M=cfg.linear_block_m, BLOCK_N=cfg.linear_block_n,
+            BLOCK_K=cfg.linear_block_k, DOT_PRECISION=_dot_precision(x.dtype),
+            num_warps=cfg.linear_warps, num_stages=cfg.linear_stages,
+        )
+    return y.reshape(*x.shape[:-1], N)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Row-wise RMSNorm of ``x [..., H]`` (transformers' LlamaRMSNorm) in ``promote_types(x, weight)``."""
+    H = x.shape[-1]
+    x2 = x.reshape(-1, H)
+    if H > 1 and x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    if x2.shape[0]:
+        block = _next_pow2(H)
+        _rms_norm_kernel[(x2.shape[0],)](x2, weight, y, H, x2.stride(0), eps, BLOCK=block,
+                                         num_warps=4 if block <= 4096 else 8)
+    return y.reshape(x.shape)
+
+
+def invariant_attn(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, ancestors: Tensor,
+                   depths: Tensor, scale: float, *, config: Optional[InvariantConfig] = None) -> tuple[Tensor, Tensor]:
+    """Split-KV attention with fixed absolute splits (see :mod:`.invariant`); arguments as
+    :func:`longspec_ops.reference.invariant.invariant_attn`. Returns out ``[B, M, Hq, D]`` (contiguous, q's dtype)
+    and lse float32 ``[B, Hq, M]``."""
+    cfg = config or invariant_config(q.dtype)
+    B, M, Hq, D = q.shape
+    N, Hkv = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
+    R = M * G
+    out = torch.empty((B, M, Hq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq, M), dtype=torch.float32, device=q.device)
+    if out.numel() == 0 or N == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+    block_m = max(cfg.attn_block_m, _next_pow2(G))
+    qpt = block_m // G
+    D_PAD = max(16, _next_pow2(D))
+    num_splits = _cdiv(N, cfg.split)  # a function of the cache capacity only: graph-capturable
+    seqlens = cache_seqlens.to(torch.int32)
+    anc = ancestors.to(torch.int32).contiguous()
+    dep = depths.to(torch.int32).contiguous()
+    ws_o = torch.empty((B * Hkv, num_splits, R, D), dtype=torch.float32, device=q.device)
+    ws_lse = torch.empty((B * Hkv, num_splits, R), dtype=torch.float32, device=q.device)
+    _invariant_split_kernel[(_cdiv(M, qpt), num_splits, B * Hkv)](
+        q, k_cache, v_cache, seqlens, anc, dep, ws_o, ws_lse,
+        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        M, N, Hkv, R, anc.shape[2], num_splits, scale * _LOG2E,
+        D=D, D_PAD=D_PAD, G=G, QPT=qpt, BLOCK_M=block_m, BLOCK_N=cfg.attn_block_n, SPLIT=cfg.split,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.attn_warps, num_stages=cfg.attn_stages,
+    )
+    _invariant_merge_kernel[(_cdiv(R, cfg.merge_block_r), B * Hkv)](
+        ws_o, ws_lse, seqlens, dep, out, lse, M, N, Hkv, R, num_splits,
+        D=D, D_PAD=D_PAD, G=G, BLOCK_R=cfg.merge_block_r, SPLIT=cfg.split, num_warps=4,
+    )
+    return out, lse

@@ -1,0 +1,175 @@
+"""The batch-invariant Triton kernels (``longspec_ops.kernels.invariant``): against their references, and row
+invariance (a row computed alone, inside a wide call and inside a batch is bitwise the same).
+
+Without a GPU they run under the Triton interpreter, where ``tl.dot`` is numpy's matmul, and numpy's (BLAS) matmul
+is *not* row-invariant: the same row can round differently at another row position of the same product. There the
+invariance tests replace the interpreter's dot by a row-by-row matmul (:func:`_row_local_dot`), so they check the
+kernels' own logic (fixed splits and tiles, the ancestor indirection, the shared/per-query block paths, the split
+merge); on CUDA they run the real kernels unchanged, and ``tests/decode/test_gpu_invariant.py`` repeats them in bf16
+at model sizes.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from longspec.decode.drafter import TreeSpec  # noqa: E402
+from longspec.decode.tree import tree_mask_from_parents  # noqa: E402
+from longspec.model.invariant import tree_ancestors  # noqa: E402
+from longspec_ops.kernels.invariant_launch import (InvariantConfig, invariant_attn, invariant_linear,  # noqa: E402
+                                                   rms_norm)
+from longspec_ops.reference import invariant as ref  # noqa: E402
+
+from .test_triton_kernels import DEVICE, INTERPRET, _check, _interpreter_loop_bounds  # noqa: E402,F401
+
+DTYPES = [torch.float16, torch.float32] + ([] if INTERPRET else [torch.bfloat16])
+# Small tiles and splits so that a short cache spans many splits and the trees cross split and block boundaries.
+SMALL = InvariantConfig(linear_block_m=16, linear_block_n=16, linear_block_k=16, attn_block_m=16, attn_block_n=16,
+                        split=32)
+
+
+@pytest.fixture
+def _row_local_dot(monkeypatch):
+    """Under the interpreter: ``tl.dot`` one row at a time (see the module docstring); on CUDA: nothing."""
+    if not INTERPRET:
+        return
+    import numpy as np
+    from triton.runtime import interpreter
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        rows = [np.matmul(a.data[i:i + 1], b.data, dtype=d.data.dtype) for i in range(a.data.shape[0])]
+        return interpreter.TensorHandle(np.concatenate(rows, 0) + d.data, d.dtype.scalar)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+
+
+def _rand(*shape, dtype, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
+
+
+# Linear and RMSNorm -------------------------------------------------------------------------------------------------
+TOL = {torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2), torch.float32: (1e-5, 1e-5)}
+
+
+@pytest.mark.parametrize("config,bias", [(None, False), (None, True), (SMALL, True)], ids=["table", "bias", "small"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_matches_reference(dtype, bias, config):
+    x, w = _rand(2, 19, 72, dtype=dtype, seed=0), _rand(40, 72, dtype=dtype, seed=1) * 0.1  # K, N straddle tiles
+    b = _rand(40, dtype=dtype, seed=2) if bias else None
+    got = invariant_linear(x, w, b, config=config)
+    want = ref.invariant_linear(x.double(), w.double(), None if b is None else b.double())
+    atol, rtol = TOL[dtype]
+    assert got.shape == (2, 19, 40) and got.dtype == dtype
+    torch.testing.assert_close(got.double(), want, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("H", [64, 96])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_matches_reference(dtype, H):
+    x, w = _rand(2, 5, H, dtype=dtype, seed=3), _rand(H, dtype=dtype, seed=4)
+    got = rms_norm(x, w, 1e-6)
+    want = ref.rms_norm(x, w, 1e-6)  # same-dtype reference: the final rounding to x's dtype happens in both
+    atol, rtol = TOL[dtype]
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.usefixtures("_row_local_dot")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_row_invariance(dtype):
+    """A row at M = 1, inside M = 74 and inside a [3, 74] batch: the same bits."""
+    x, w = _rand(3, 74, 72, dtype=dtype, seed=5), _rand(40, 72, dtype=dtype, seed=6) * 0.1
+    b = _rand(40, dtype=dtype, seed=7)
+    batch = invariant_linear(x, w, b)
+    wide = invariant_linear(x[1], w, b)
+    for m in (0, 17, 73):
+        alone = invariant_linear(x[1, m:m + 1], w, b)
+        assert torch.equal(alone[0], wide[m]) and torch.equal(wide[m], batch[1, m])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_row_invariance(dtype):
+    x, w = _rand(3, 74, 96, dtype=dtype, seed=8), _rand(96, dtype=dtype, seed=9)
+    batch, wide = rms_norm(x, w, 1e-5), rms_norm(x[2], w, 1e-5)
+    for m in (0, 40, 73):
+        assert torch.equal(rms_norm(x[2, m:m + 1], w, 1e-5)[0], wide[m]) and torch.equal(wide[m], batch[2, m])
+
+
+# Attention ----------------------------------------------------------------------------------------------------------
+def _tree(B: int, shape: tuple[int, ...], seed: int):
+    """A random tree of ``shape`` per row (parents before children): (ancestors, depths) on DEVICE."""
+    spec = TreeSpec(shape)
+    g = torch.Generator().manual_seed(seed)
+    parents = torch.full((B, spec.num_nodes), -1, dtype=torch.int64)
+    for d in range(1, spec.depth + 1):
+        lo, hi, plo = spec.offsets[d], spec.offsets[d + 1], spec.offsets[d - 1]
+        parents[:, lo:hi] = torch.randint(plo, lo, (B, hi - lo), generator=g)
+    anc, depths = tree_ancestors(tree_mask_from_parents(parents, spec))
+    return anc.to(DEVICE), depths.to(DEVICE)
+
+
+def _decode_equivalent(q, k, v, seqlens, anc, depths, b, m, config, scale=0.2):
+    """Query m of row b as plain decoding computes it: its ancestors committed at rows N .. N + depth - 1 and its
+    own K/V at row N + depth of a one-row cache, M = 1."""
+    N, d = int(seqlens[b]), int(depths[b, m])
+    kc, vc = k[b:b + 1].clone(), v[b:b + 1].clone()
+    rows = N + anc[b, m, :d + 1].long()
+    kc[0, N:N + d + 1], vc[0, N:N + d + 1] = k[b, rows], v[b, rows]
+    zero = torch.zeros(1, 1, 1, dtype=torch.int32, device=q.device)
+    lens = torch.tensor([N + d], dtype=torch.int32, device=q.device)
+    return invariant_attn(q[b:b + 1, m:m + 1], kc, vc, lens, zero, zero[..., 0], scale, config=config)
+
+
+# (shape, committed lengths): trees crossing split (32) and block (16) boundaries, an empty cache, a full split
+ATTN_CASES = [((2, 2, 2), [29, 60]), ((3, 3), [0, 95]), ((1, 1, 1, 1, 1), [31, 64])]
+
+
+@pytest.mark.parametrize("config", [None, SMALL], ids=["table", "small"])
+@pytest.mark.parametrize("heads", [(4, 2), (6, 1)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attn_matches_reference(dtype, heads, config):
+    Hq, Hkv = heads
+    anc, depths = _tree(2, (2, 3, 2), seed=1)
+    M, D = anc.shape[1], 64
+    q, k, v = _rand(2, M, Hq, D, dtype=dtype, seed=10), _rand(2, 128, Hkv, D, dtype=dtype, seed=11), \
+        _rand(2, 128, Hkv, D, dtype=dtype, seed=12)
+    seqlens = torch.tensor([45, 100], dtype=torch.int32, device=DEVICE)
+    args = (q, k, v, seqlens, anc, depths, 0.2)
+    _check(invariant_attn(*args, config=config), ref.invariant_attn, args, dtype)
+
+
+# float32 on every case, the 16-bit dtypes on the first (the interpreter is slow)
+NODE_GRID = [(torch.float32, *c) for c in ATTN_CASES] + [(dt, *ATTN_CASES[0]) for dt in DTYPES if dt != torch.float32]
+
+
+@pytest.mark.usefixtures("_row_local_dot")
+@pytest.mark.parametrize("dtype,shape,lens", NODE_GRID)
+def test_attn_tree_node_equals_decode(dtype, shape, lens):
+    """Every node of a verified tree (M nodes, batch of 2) equals plain decoding at that token bit for bit."""
+    anc, depths = _tree(2, shape, seed=sum(lens))
+    M, Hq, Hkv, D = anc.shape[1], 4, 2, 64
+    q, k, v = _rand(2, M, Hq, D, dtype=dtype, seed=13), _rand(2, 128, Hkv, D, dtype=dtype, seed=14), \
+        _rand(2, 128, Hkv, D, dtype=dtype, seed=15)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    out, lse = invariant_attn(q, k, v, seqlens, anc, depths, 0.2, config=SMALL)
+    for b in range(2):
+        for m in range(M):
+            o1, l1 = _decode_equivalent(q, k, v, seqlens, anc, depths, b, m, SMALL)
+            assert torch.equal(o1[0, 0], out[b, m]) and torch.equal(l1[0, :, 0], lse[b, :, m]), (b, m)
+
+
+@pytest.mark.usefixtures("_row_local_dot")
+def test_attn_wide_tree_with_the_table_config():
+    """A 74-row tree (the 4-16-16-16-16 tree after 5 re-fed slots' worth of width) under the default config."""
+    anc, depths = _tree(1, (4, 16, 16, 16, 16, 4), seed=3)
+    M, Hq, Hkv, D = anc.shape[1], 4, 1, 64
+    dtype = torch.float16
+    q, k, v = _rand(1, M, Hq, D, dtype=dtype, seed=16), _rand(1, 300, Hkv, D, dtype=dtype, seed=17), \
+        _rand(1, 300, Hkv, D, dtype=dtype, seed=18)
+    seqlens = torch.tensor([200], dtype=torch.int32, device=DEVICE)
+    out, lse = invariant_attn(q, k, v, seqlens, anc, depths, 0.2)
+    for m in (0, 3, 20, 57, M - 1):
+        o1, l1 = _decode_equivalent(q, k, v, seqlens, anc, depths, 0, m, None)
+        assert torch.equal(o1[0, 0], out[0, m]) and torch.equal(l1[0, :, 0], lse[0, :, m]), m
