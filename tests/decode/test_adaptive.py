@@ -332,3 +332,32 @@ def test_bad_budget_arguments():
                            tree_shape=(2, 2)).generate(torch.tensor([[3, 4, 5]]), max_new_tokens=2)
     with pytest.raises(ValueError, match="two or more"):
         MergedDrafter(PromptLookupDrafter())
+
+
+# --- the adaptive round's fast paths against the general code -------------------------------------------------------
+
+
+def distinct_pool(spec: TreeSpec, rows: int, seed: int) -> DraftTree:
+    """Random level-order trees whose siblings are distinct (every node its own token), scores falling with depth."""
+    g = torch.Generator().manual_seed(seed)
+    T = spec.num_nodes
+    tokens = torch.randperm(1000, generator=g)[: rows * T].reshape(rows, T)
+    scores = -torch.rand(rows, T, generator=g).cumsum(dim=1)
+    scores[:, 0] = 0.0
+    return complete_tree(DraftTree(tokens, random_parents(spec, rows, seed), scores=scores), spec)
+
+
+@pytest.mark.parametrize("part_shapes", [((), (1, 1, 1, 1)), ((3, 4, 4), ())])
+def test_single_part_merge_is_the_general_merge(part_shapes):
+    """With one part drafted, merge_trees returns that part's tree as it is: every field equal to what the general
+    layout-and-deduplicate path returns (siblings distinct, as the built-in drafters propose them)."""
+    from longspec.decode.merge import _merge_all
+
+    spec = TreeSpec.merged(*part_shapes)
+    part = next(i for i, p in enumerate(part_shapes) if p)
+    tree = distinct_pool(spec.part_specs()[part], 3, seed=7)
+    trees = [tree if i == part else None for i in range(2)]
+    root = tree.tokens[:, 0]
+    fast, general = merge_trees(root, trees, spec), _merge_all(root, trees, spec, None)
+    for name in ("tokens", "parents", "mask", "depths", "scores", "sources"):
+        assert torch.equal(getattr(fast, name), getattr(general, name)), name
