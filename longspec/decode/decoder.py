@@ -113,6 +113,7 @@ class Run:
     seed: Optional[Tensor] = None  # int64 [2]: params.seed as data (seed_words), when seeded
     # adaptive budget (SpeculativeDecoder(budget=...)): statistics, and what the last sync read for the choice
     stats: Optional[AcceptanceStats] = None
+    report: Optional[Tensor] = None  # float32 [2B + 2K]: what the sync reads (_write_report), written by the tail
     context: float = 0.0  # mean committed length of the active rows
     curve: list = field(default_factory=list)  # each option's running expected tau
     seen: list = field(default_factory=list)  # whether it has one
@@ -301,6 +302,8 @@ class SpeculativeDecoder:
             run.seed = seed_words(params.seed, root.device)
         if self.budget is not None:
             run.stats = self.budget.stats_for(sampling_key(params), root.device)
+            run.report = torch.zeros(2 * root.shape[0] + 2 * len(run.stats.curve), device=root.device)
+            _write_report(run)
         # the token buffer's width changes with every request: one dynamic dimension, not one compile per width
         torch._dynamo.maybe_mark_dynamic(tokens, 1)
         if self.drafter is not None:
@@ -398,18 +401,18 @@ class SpeculativeDecoder:
         return lm_logits(self.target, hidden_last)
 
     def _sync(self, run: Run) -> bool:
-        """The round's one host sync: whether any row is still active; under a budget the same read also brings
-        the committed length and every option's running expected tau for the next choice."""
-        state, stats = run.state, run.stats
-        if stats is None:
-            return bool(state.active.any())
-        active = state.active.float()
-        n = active.sum()
-        values = torch.cat([n[None], ((state.seqlens.float() * active).sum() / n.clamp(min=1))[None], stats.curve,
-                            stats.seen.float()]).tolist()
-        k = len(stats.curve)
-        run.context, run.curve, run.seen = values[1], values[2: 2 + k], [v > 0 for v in values[2 + k:]]
-        return values[0] > 0
+        """The round's one host sync: whether any row is still active; under a budget the same read (of the report
+        the round's tail wrote, so no op runs eagerly here) also brings the committed length and every option's
+        running expected tau for the next choice."""
+        if run.stats is None:
+            return bool(run.state.active.any())
+        values = run.report.tolist()
+        B, K = run.state.root.shape[0], len(run.stats.curve)
+        active, lens = values[:B], values[B: 2 * B]
+        n = sum(active)
+        run.context = sum(a * c for a, c in zip(active, lens)) / max(n, 1.0)
+        run.curve, run.seen = values[2 * B: 2 * B + K], [v > 0 for v in values[2 * B + K:]]
+        return n > 0
 
     def _round(self, run: Run, timer: PhaseTimer, streamer: Optional[Streamer], option: Optional[int] = None) -> None:
         """One round on the device: [draft,] target forward, tail. No host sync (the caller reads ``active``)."""
@@ -421,13 +424,13 @@ class SpeculativeDecoder:
         else:
             index = self._choose(run) if option is None else option
             with timer.phase("draft"):
-                draft, predicted = self._draft(run, index)
+                draft, predicted, keys = self._draft(run, index)
             with timer.phase("verify"):
                 logits = self._verify_logits(run, draft.tokens, draft.mask, draft.depths)
             with timer.phase("accept"):
                 inputs = (draft.tokens, draft.parents, draft.mask, draft.depths)
-                if run.stats is not None:  # the budget's trees carry both (AdaptiveBudget.shape, root_tree)
-                    inputs += (draft.scores, draft.sources)
+                if keys is not None:  # under a budget: the nodes' statistics cells (AdaptiveBudget.shape)
+                    inputs += (keys,)
                 emitted, kept = self._tail(run, "accept", logits, *inputs)
             run.nodes.append(draft.tokens.shape[1])
             if predicted is not None:
@@ -444,9 +447,9 @@ class SpeculativeDecoder:
         run.since_largest = 0 if index == self.budget.largest else run.since_largest + 1
         return index
 
-    def _draft(self, run: Run, index: Optional[int]) -> tuple[DraftTree, Optional[Tensor]]:
-        """The round's complete tree (and, under a budget, its expected tau): the drafter's tree, or the budget's
-        option ``index`` of it. Under CUDA graphs when enabled and the drafter offers ``graph_state``: one graph
+    def _draft(self, run: Run, index: Optional[int]) -> tuple[DraftTree, Optional[Tensor], Optional[Tensor]]:
+        """The round's complete tree (and, under a budget, its expected tau and its nodes' statistics cells
+        ``[B, T]``): the drafter's tree, or the budget's option ``index`` of it. Under CUDA graphs when enabled and the drafter offers ``graph_state``: one graph
         per option, captured on its first round of each generate call."""
         plain = index is not None and self.budget.options[index].spec is None
         if plain and not hasattr(self.drafter, "observe"):
@@ -463,15 +466,16 @@ class SpeculativeDecoder:
             run.draft_graphs[index] = CapturedDraft(fn, mutated)
         return run.draft_graphs[index]()
 
-    def _draft_body(self, run: Run, index: Optional[int]) -> tuple[DraftTree, Optional[Tensor]]:
+    def _draft_body(self, run: Run, index: Optional[int]) -> tuple[DraftTree, Optional[Tensor], Optional[Tensor]]:
         state = run.state
         if index is None:
-            return complete_tree(self._propose_fn(state, self.tree), self.tree), None
+            return complete_tree(self._propose_fn(state, self.tree), self.tree), None, None
         spec = self.budget.options[index].spec
-        if spec is None:  # a plain round: the root alone; the drafter only catches up
+        if spec is None:  # a plain round: the root alone (recorded nowhere); the drafter only catches up
             if hasattr(self.drafter, "observe"):
                 self.drafter.observe(state, self.tree)
-            return root_tree(state.root), torch.ones((), device=state.root.device)
+            tree = root_tree(state.root)
+            return tree, torch.ones((), device=state.root.device), tree.depths
         pool = complete_tree(self._propose_fn(state, spec), spec)
         return self.budget.shape(run.stats, pool, index, state.active)
 
@@ -514,10 +518,11 @@ class SpeculativeDecoder:
             run.seed)
         if accept_index is not None:
             if run.stats is not None:
-                _, _, _, depths, scores, sources = inputs
-                run.stats.record(run.stats.keys(depths, scores, sources), accept_index, accept_len, state.active)
+                run.stats.record(inputs[4], accept_index, accept_len, state.active)
             self._commit(run, accept_index, kept)
         fns["advance"](state.tokens, state.root, state.seqlens, run.generated, state.active, emitted, kept, finished)
+        if run.report is not None:
+            _write_report(run)
         return emitted, kept
 
     def _commit(self, run: Run, accept_index: Tensor, kept: Tensor) -> None:
@@ -594,6 +599,13 @@ class SpeculativeDecoder:
 
 
 # -- helpers --------------------------------------------------------------------------------------------------------
+
+
+def _write_report(run: Run) -> None:
+    """What the next sync reads under a budget, in one float32 tensor: ``[active (B), seqlens (B), curve (K), seen
+    (K)]`` (written by the round's tail, inside its graph)."""
+    state, stats = run.state, run.stats
+    torch.cat([state.active.float(), state.seqlens.float(), stats.curve, stats.seen.float()], out=run.report)
 
 
 def _check_drafter(target: torch.nn.Module, drafter: Optional[Drafter], kv_update: KVUpdate) -> None:
