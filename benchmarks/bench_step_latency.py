@@ -29,6 +29,15 @@ Usage (GPU): ``python -m benchmarks.bench_step_latency --models Llama-3-8B Qwen2
 ``--numerics both`` adds rows for ``Numerics.INVARIANT`` (issue 22) beside the fast ones, with their round and
 decode costs over the fast row's (``round vs fast``).
 
+**Adaptive and merged rounds** (issue 19, ``--adaptive``): per model and N, the round of the fixed PLD chain (6
+drafts) and of :mod:`benchmarks.bench_adaptive`'s adaptive merged decoder (the LongSpec tree + the PLD chain in one
+tree, :class:`~longspec.AdaptiveBudget` with budgets 16 / 32 / 48 at depth 3 or whole) forced to each of a few of
+its options: plain, PLD alone (whole, depth 3), LongSpec alone (whole, 48 nodes), both merged (whole: 75 nodes, 48, 16).
+Each row: the phases, the round's wall time with the adaptive host work (the sync reads the tail's report and
+:meth:`~longspec.AdaptiveBudget.choose` runs on flat costs: its host time, not its choice), round / decode and the
+round over the same-sized fixed drafter's (PLD chain for a PLD option, the 69-node tree for a LongSpec one).
+Written to ``step_latency_adaptive.{json,md}``.
+
 **Tensor-parallel targets** (issue 23): ``torchrun --nproc-per-node K -m benchmarks.bench_step_latency --tp ...``
 shards the random target over K GPUs with transformers' tensor-parallel plan
 (:func:`longspec.testing.random_tensor_parallel`: no checkpoint, each rank allocates only its shards, so the
@@ -97,35 +106,42 @@ def _graph_us(fn, iters: int) -> float:
     return _events_us(graph.replay, iters)
 
 
-def round_times(dec, context: int, iters: int) -> dict:
+def round_times(dec, context: int, iters: int, option=None) -> dict:
     """Per-phase device time (PhaseTimer events) and the wall time of whole rounds as ``generate`` runs them (its
-    host one round ahead of the device, waiting for each round once), in us.
+    host one round ahead of the device, one read per round waited for, and under a budget a choice), in us;
+    ``option``: the adaptive budget's option to force every round (its host work timed with it).
 
     The first round captures the graphs (and compiles, with ``compile=True``): its wall time is reported as the
     first-use cost. Returns the run too (its cache serves the attention floor)."""
     from longspec.decode.stats import PhaseTimer
 
     run = dec.synthetic_run(context, rounds=3 * iters + 4)
+
+    def wait(read):  # generate's wait for a round's read (and, under a budget, its choice)
+        read()
+        if dec.budget is not None:
+            dec._choose(run)
+
     with dec.rounds():
         t0 = time.perf_counter()
-        dec.step(run)
-        bool(run.state.active.any())
+        dec.step(run, option=option)
+        wait(dec._read(run))
         first = time.perf_counter() - t0
-        dec.step(run)
+        dec.step(run, option=option)
         timer = PhaseTimer(run.state.root.device, enabled=True)
         for _ in range(iters):
-            dec.step(run, timer)
+            dec.step(run, timer, option=option)
         phases = {k: v * 1e6 / iters for k, v in timer.seconds().items()}
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        done = None
+        pending = None
         for _ in range(iters):  # as generate runs rounds: round k + 1 is enqueued before the host waits for round k
-            dec.step(run)
-            if done is not None:
-                done.synchronize()
-            done = torch.cuda.Event()
-            done.record()
-        done.synchronize()
+            dec.step(run, option=option)
+            after = dec._read(run)
+            if pending is not None:
+                wait(pending)
+            pending = after
+        wait(pending)
         wall = (time.perf_counter() - t0) * 1e6 / iters
     return {"phases_us": phases, "round_wall_us": wall, "first_round_s": first, "run": run}
 
@@ -246,6 +262,76 @@ def _versus_fast(row: dict, rows: list[dict]) -> None:
         row[key.replace("_us", "") + "_vs_fast"] = row[key] / fast[key]
 
 
+ADAPTIVE_OPTIONS = ["plain", "none|1-1-1-1-1-1/7", "none|1-1-1/4", "4-16-16-16-16|none/69",
+                    "4-16-16-16-16|none/48", "4-16-16-16-16|1-1-1-1-1-1/75", "4-16-16-16-16|1-1-1-1-1-1/48",
+                    "4-16-16-16-16|1-1-1-1-1-1/16"]
+
+
+def measure_adaptive(name: str, contexts: list[int], compiles: list[bool], iters: int, on_row=lambda row: None,
+                     device: str = "cuda") -> list:
+    """The fixed PLD chain's round and the adaptive merged decoder's, forced to each of ``ADAPTIVE_OPTIONS``, next
+    to the plain round and the fixed 69-node LongSpec tree's (see the module)."""
+    from longspec import (AdaptiveBudget, LongSpecDrafter, MergedDrafter, PromptLookupDrafter, SpeculativeDecoder,
+                          TreeSpec)
+    from longspec.decode.budget import CostModel
+
+    target, draft = target_and_draft(name, device)
+    chain = (1,) * 6
+    rows = []
+    for compile in compiles:
+        plain = SpeculativeDecoder(target, None, cuda_graphs=True, compile=compile)
+        fixed = {"PLD chain 6": SpeculativeDecoder(target, PromptLookupDrafter(), tree_shape=chain, cuda_graphs=True,
+                                                   compile=compile),
+                 "LongSpec tree 69": SpeculativeDecoder(target, LongSpecDrafter(draft), tree_shape=TREE,
+                                                        cuda_graphs=True, compile=compile)}
+        budget = AdaptiveBudget(budgets=(16, 32, 48), depths=(3,))
+        merged = SpeculativeDecoder(target, MergedDrafter(LongSpecDrafter(draft), PromptLookupDrafter()),
+                                    tree_shape=TreeSpec.merged(TREE, chain), cuda_graphs=True, compile=compile,
+                                    budget=budget)
+        labels = [o.label for o in budget.options]
+        budget.costs = CostModel({1: {o.nodes: (1.0, 0.0) for o in budget.options}},
+                                 {1: {o.draft_key: (0.0, 0.0) for o in budget.options}})  # flat: choose's host time
+        for context in contexts:
+            decode = round_times(plain, context, iters)["round_wall_us"]
+            base = {}
+            for method, dec in fixed.items():
+                t = round_times(dec, context, iters)
+                base[method] = t["round_wall_us"]
+                rows.append(_adaptive_row(name, context, compile, method, "fixed", dec.tree.num_nodes, t, decode,
+                                          t["round_wall_us"]))
+                on_row(rows[-1])
+            for label in ADAPTIVE_OPTIONS:
+                i = labels.index(label)
+                t = round_times(merged, context, iters, option=i)
+                ref = base["PLD chain 6"] if label.startswith("none|") else base["LongSpec tree 69"]
+                rows.append(_adaptive_row(name, context, compile, "adaptive LongSpec+PLD", label,
+                                          budget.options[i].nodes, t, decode, ref))
+                on_row(rows[-1])
+        del plain, fixed, merged
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _adaptive_row(model, context, compile, method, option, nodes, t, decode_wall_us, fixed_wall_us) -> dict:
+    p = t["phases_us"]
+    return {"model": model, "context": context, "compile": compile, "method": method,
+            "option": option.replace("|", " + "),  # a merged key's bar would split the markdown table's cell
+            "nodes": nodes, "draft_us": p.get("draft", 0.0), "verify_us": p["verify"], "accept_us": p["accept"],
+            "round_wall_us": t["round_wall_us"], "decode_wall_us": decode_wall_us,
+            "round_per_decode": t["round_wall_us"] / decode_wall_us,
+            "round_per_fixed": t["round_wall_us"] / fixed_wall_us}
+
+
+ADAPTIVE_COLUMNS = [("model", "model", ""), ("context", "N", ""), ("compile", "compile", ""), ("method", "method", ""),
+                    ("option", "option", ""), ("nodes", "nodes", ""), ("draft_us", "draft", ".0f"),
+                    ("verify_us", "verify", ".0f"), ("accept_us", "accept", ".0f"), ("round_wall_us", "round", ".0f"),
+                    ("round_per_decode", "round/decode", ".2f"), ("round_per_fixed", "round/fixed", ".2f")]
+ADAPTIVE_NOTES = ["bf16, batch 1, CUDA graphs; times in us; random weights except `pair`. round = draft + verify + "
+                  "accept with the host sync (wall; under the budget also the tail's report read and a choice); "
+                  "round/fixed: over the fixed PLD chain 6 (PLD options) or the fixed 69-node LongSpec tree (the "
+                  "others). `python -m benchmarks.bench_step_latency --adaptive`"]
+
+
 def _main_rank() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
@@ -324,6 +410,8 @@ def main(argv=None) -> None:
     ap.add_argument("--cuda-graphs", choices=("on", "off"), default="on")
     ap.add_argument("--numerics", choices=("fast", "invariant", "both"), default="fast",
                     help="the target's numerics (longspec.Numerics); both: fast and invariant rows in one run")
+    ap.add_argument("--adaptive", action="store_true",
+                    help="only the adaptive / merged rounds (step_latency_adaptive), not the floors")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_step_latency needs a CUDA device")
@@ -334,6 +422,21 @@ def main(argv=None) -> None:
     torch.cuda.set_device(device)
     compiles = {"on": [True], "off": [False], "both": [True, False]}[a.compile]
     numerics = ("fast", "invariant") if a.numerics == "both" else (a.numerics,)
+    if a.adaptive:
+        if a.tp:
+            raise SystemExit("--adaptive times one GPU")
+        rows = []
+
+        def on_adaptive_row(row):
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            write_results("step_latency_adaptive", rows, a.out, meta={"tree": "-".join(map(str, TREE))},
+                          title="Adaptive and merged rounds", notes=ADAPTIVE_NOTES, columns=ADAPTIVE_COLUMNS)
+
+        for name in a.models:
+            measure_adaptive(name, a.contexts, compiles, a.iters, on_adaptive_row, device=device)
+            torch.cuda.empty_cache()
+        return
     peaks = measure_peaks()
     meta = {"tree": "-".join(map(str, TREE)), "copy TB/s": round(peaks["copy_bytes_per_s"] / 1e12, 2)}
     if a.tp:

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from .drafter import DraftTree, TreeSpec
-from .tree import prune_tree
+from .tree import kept_nodes, select_nodes
 
 SCORE_BUCKET = 0.75  # nats per draft-score bucket: bucket k holds log-probabilities in (-(k+1) * 0.75, -k * 0.75]
 NUM_BUCKETS = 16  # the last bucket also takes everything below -11.25, -inf included
@@ -225,13 +225,14 @@ class AcceptanceStats:
     def keys(self, depths: Tensor, scores: Tensor, sources: Tensor) -> Tensor:
         """int64 ``[B, T]`` table cells of the nodes (scores and sources as :meth:`AdaptiveBudget.shape` fills
         them)."""
-        bucket = (-scores / SCORE_BUCKET).nan_to_num(posinf=NUM_BUCKETS).floor().clamp(0, NUM_BUCKETS - 1).long()
-        src = sources.clamp(0, self.sources - 1)
-        return (src * (self.max_depth + 1) + depths.clamp(0, self.max_depth)) * NUM_BUCKETS + bucket
+        # clamped before the cast, so truncation is the floor; -inf scores land in the bottom bucket (sources and
+        # depths are in range by construction: a part bitmask, a depth of the decoder's tree)
+        bucket = (scores / -SCORE_BUCKET).nan_to_num(nan=0.0).clamp(0, NUM_BUCKETS - 1).long()
+        return (sources * (self.max_depth + 1) + depths) * NUM_BUCKETS + bucket
 
     def estimate(self, keys: Tensor) -> Tensor:
         """float32 ``[B, T]``: each node's estimated probability of being accepted."""
-        rate = (self.accepted + PRIOR_WEIGHT * self.prior) / (self.proposed + PRIOR_WEIGHT)
+        rate = torch.add(self.accepted, self.prior, alpha=PRIOR_WEIGHT) / (self.proposed + PRIOR_WEIGHT)
         return rate[keys]
 
     def record(self, keys: Tensor, accept_index: Tensor, accept_len: Tensor, active: Tensor) -> None:
@@ -277,7 +278,7 @@ class AdaptiveBudget:
                 raise ValueError(f"{name} must be a non-empty sequence of ints >= 1, got {values!r}")
         if isinstance(explore_every, bool) or not isinstance(explore_every, int) or explore_every < 0:
             raise ValueError(f"explore_every must be an int >= 0, got {explore_every!r}")
-        self.costs = costs
+        self.costs = costs  # (a property: assigning it drops the per-batch cost lines choose() reads)
         self.budgets, self.depths = tuple(budgets), tuple(depths)
         self._given_options = None if options is None else list(options)
         self.explore_every = explore_every
@@ -285,6 +286,16 @@ class AdaptiveBudget:
         self.options: list[BudgetOption] = []
         self.spec: Optional[TreeSpec] = None
         self._stats: dict[tuple, AcceptanceStats] = {}
+
+    @property
+    def costs(self) -> Optional[CostModel]:
+        """The :class:`CostModel` (read once per batch size by :meth:`choose`: assign it again after changing it)."""
+        return self._costs
+
+    @costs.setter
+    def costs(self, costs: Optional[CostModel]) -> None:
+        self._costs = costs
+        self._lines: dict[int, list[tuple[float, float]]] = {}
 
     # -- set-up (host) ------------------------------------------------------------------------------------------------
 
@@ -295,8 +306,10 @@ class AdaptiveBudget:
             _check_option(o, spec)
         self.spec, self.options = spec, options
         self.largest = max(range(len(options)), key=lambda i: (options[i].nodes, -i))
+        self._plain = [o.spec is None for o in options]
         self._stats.clear()
-        self._pool_groups: dict[str, list] = {}  # draft key -> the option groups its pool can estimate
+        self._lines = {}
+        self._pool_groups: dict[tuple, _PoolGroups] = {}  # (draft key, device) -> the options its pool estimates
 
     def cost_file(self, decoder) -> Path:
         """Where this decoder's calibration is kept: keyed by the device, dtype, model shape, drafter, tree, options
@@ -333,52 +346,62 @@ class AdaptiveBudget:
         with an estimate, the largest option on the first round and every ``explore_every`` rounds."""
         if not any(seen) or (self.explore_every and rounds_since_largest >= self.explore_every):
             return self.largest
-        best, best_rate = 0, -1.0
-        for i, o in enumerate(self.options):
-            if not seen[i] and o.spec is not None:
-                continue
-            tau = 1.0 if o.spec is None else curve[i]
-            rate = tau / max(self.costs.round_us(o, context, batch), 1e-9)
-            if rate > best_rate:
-                best, best_rate = i, rate
-        return best
+        if batch not in self._lines:  # each option's round cost a + b * context, looked up once per batch
+            c = self.costs
+            self._lines[batch] = [tuple(x + y for x, y in zip(c.verify[batch][o.nodes], c.draft[batch][o.draft_key]))
+                                  for o in self.options]
+        rates = [(1.0 if plain else tau) / max(a + b * context, 1e-9) if plain or ok else -1.0
+                 for (a, b), tau, ok, plain in zip(self._lines[batch], curve, seen, self._plain)]
+        return max(range(len(rates)), key=rates.__getitem__)  # the first of equals
 
     # -- device steps (captured) --------------------------------------------------------------------------------------
 
-    def shape(self, stats: AcceptanceStats, pool: DraftTree, index: int, active: Tensor) -> tuple[DraftTree, Tensor]:
+    def shape(self, stats: AcceptanceStats, pool: DraftTree, index: int,
+              active: Tensor) -> tuple[DraftTree, Tensor, Tensor]:
         """Prune a complete pool tree (grown for option ``index``) to the option's budget; update the running
-        expected tau of every option this pool contains. Returns ``(tree, predicted tau [])``, the expected tau of
-        the kept tree averaged over the active rows."""
+        expected tau of every option this pool contains. Returns ``(tree, predicted tau [], keys [B, nodes])``: the
+        expected tau of the kept tree averaged over the active rows, and the kept nodes' statistics cells (what the
+        tail records the round under).
+
+        Every option the pool contains is scored at once: its nodes (the pool cut to the option's depth limit and
+        parts) ranked by estimate in one batched sort over ``[groups, B, P]``, one cumulative sum, one gather of
+        every option's expected tau and one indexed update of the curve (no Python scalar enters a device tensor:
+        the step runs inside a CUDA-graph capture)."""
         option = self.options[index]
-        # the statistics' keys need both (and so does the captured tail, which takes tensors only): a single
-        # drafter's nodes are all part 0's (bit 0) and a drafter without scores vouches for every node (top bucket)
-        pool = dataclasses.replace(
-            pool, scores=torch.zeros(pool.depths.shape, device=pool.depths.device) if pool.scores is None
-            else pool.scores, sources=torch.ones_like(pool.depths) if pool.sources is None else pool.sources)
-        p = stats.estimate(stats.keys(pool.depths, pool.scores, pool.sources))
+        groups = self._groups(option, pool.depths.device)
+        depths = pool.depths
+        # a single drafter's nodes are all part 0's (bit 0); a drafter without scores vouches for every node
+        scores = torch.zeros(depths.shape, device=depths.device) if pool.scores is None else pool.scores
+        sources = torch.ones_like(depths) if pool.sources is None else pool.sources
+        keys = stats.keys(depths, scores, sources)
+        p = stats.estimate(keys)
         p[:, 0] = 1.0  # the root: the bonus token, always emitted
         # capped by every ancestor's: a node never ranks above its parent, so the kept set is ancestor-closed
-        p = torch.where(pool.mask, p[:, None, :], torch.ones_like(p)[:, None, :]).amin(dim=-1)
-        weight = active.float() / active.float().sum().clamp(min=1.0)
-        predicted = None
-        for depth, bits, members in self._groups(option):
-            member = pool.depths <= depth
-            if bits is not None:
-                member &= ((pool.sources & bits) != 0) | (pool.depths == 0)
-            ranked = torch.sort(torch.where(member, p, -1.0), dim=1, descending=True).values.clamp(min=0)
-            taus = (ranked.cumsum(dim=1) * weight[:, None]).sum(dim=0)  # [P]: expected tau of the best n + 1 nodes
-            for j, nodes in members:
-                rate = torch.where(stats.seen[j], CURVE_RATE, 1.0)
-                stats.curve[j] = (1 - rate) * stats.curve[j] + rate * taus[nodes - 1]
-                stats.seen[j].fill_(True)  # not `= True`: a 0-dim setitem copies from the host (refused in a capture)
-                if j == index:
-                    predicted = taus[nodes - 1]
-        return prune_tree(pool, p, option.nodes), predicted
+        p = torch.where(pool.mask, p[:, None, :], 1.0).amin(dim=-1)
+        weight = active.float()
+        weight = weight / weight.sum().clamp(min=1.0)
+        member = depths <= groups.depth  # [G, B, P]
+        if groups.bits is not None:
+            member &= ((sources & groups.bits) != 0) | (depths == 0)
+        ranked = torch.sort(torch.where(member, p, -1.0), dim=-1, descending=True).values.clamp(min=0)
+        taus = (ranked.cumsum(dim=-1) * weight[:, None]).sum(dim=1)  # [G, P]: expected tau of the best n + 1
+        tau = taus.reshape(-1)[groups.cells]  # [M]: every member option's
+        # a round on finished rows only (the one generate runs ahead at its end) learns nothing
+        anyone = active.any()
+        rate = torch.where(stats.seen[groups.members], CURVE_RATE, 1.0) * anyone
+        stats.curve.index_put_((groups.members,), torch.lerp(stats.curve[groups.members], tau, rate))
+        stats.seen.index_put_((groups.members,), stats.seen[groups.members] | anyone)
+        predicted = tau[groups.own[index]]
+        if option.nodes == depths.shape[1]:  # the whole pool: nothing to prune
+            return dataclasses.replace(pool, scores=scores, sources=sources), predicted, keys
+        kept = kept_nodes(p, option.nodes)
+        return select_nodes(dataclasses.replace(pool, scores=scores, sources=sources), kept), predicted, \
+            keys.gather(1, kept)
 
-    def _groups(self, drafted: BudgetOption) -> list[tuple[int, Optional[int], list[tuple[int, int]]]]:
-        """The options whose pools lie inside ``drafted``'s, grouped by pool: (depth limit, part bitmask or None,
-        [(option index, nodes)])."""
-        key = drafted.draft_key
+    def _groups(self, drafted: BudgetOption, device: torch.device) -> "_PoolGroups":
+        """The options whose pools lie inside ``drafted``'s, as index tensors on ``device`` (made on the first
+        call, which is a graph capture's warm-up run, outside the capture)."""
+        key = (drafted.draft_key, device)
         if key not in self._pool_groups:
             groups: dict[tuple, list] = {}
             for j, o in enumerate(self.options):
@@ -390,8 +413,40 @@ class AdaptiveBudget:
                     if bits & ~theirs or any(len(p) > len(q) for p, q in zip(o.spec.parts, drafted.spec.parts)):
                         continue
                 groups.setdefault((o.spec.depth, bits), []).append((j, o.nodes))
-            self._pool_groups[key] = [(d, b, m) for (d, b), m in groups.items()]
+            self._pool_groups[key] = _PoolGroups.build(list(groups.items()), drafted.spec.num_nodes, device)
         return self._pool_groups[key]
+
+
+@dataclass
+class _PoolGroups:
+    """The options a pool scores, grouped by the pool cut they rank (depth limit, parts), as device tensors.
+
+    depth:   int64 ``[G, 1, 1]`` each group's depth limit.
+    bits:    int64 ``[G, 1, 1]`` each group's part bitmask (None: a single drafter's tree).
+    members: int64 ``[M]`` the option indices, group by group.
+    cells:   int64 ``[M]`` each member's expected tau in the flattened ``[G, P]`` table: ``g * P + nodes - 1``.
+    own:     option index -> its position in ``members``.
+    """
+
+    depth: Tensor
+    bits: Optional[Tensor]
+    members: Tensor
+    cells: Tensor
+    own: dict[int, int]
+
+    @classmethod
+    def build(cls, groups: list[tuple[tuple[int, Optional[int]], list[tuple[int, int]]]], pool_nodes: int,
+              device: torch.device) -> "_PoolGroups":
+        members = [(g, j, n) for g, (_, m) in enumerate(groups) for j, n in m]
+
+        def tensor(values, dtype=torch.int64):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        bits = [b for (_, b), _ in groups]
+        return cls(tensor([d for (d, _), _ in groups])[:, None, None],
+                   None if bits[0] is None else tensor(bits)[:, None, None],
+                   tensor([j for _, j, _ in members]), tensor([g * pool_nodes + n - 1 for g, _, n in members]),
+                   {j: i for i, (_, j, _) in enumerate(members)})
 
 
 def _part_bits(spec: TreeSpec) -> int:

@@ -134,6 +134,7 @@ class Run:
     seed: Optional[Tensor] = None  # int64 [2]: params.seed as data (seed_words), when seeded
     # adaptive budget (SpeculativeDecoder(budget=...)): statistics, and what the last sync read for the choice
     stats: Optional[AcceptanceStats] = None
+    report: Optional[Tensor] = None  # float32 [2B + 2K]: what the sync reads (_write_report), written by the tail
     context: float = 0.0  # mean committed length of the active rows
     curve: list = field(default_factory=list)  # each option's running expected tau
     seen: list = field(default_factory=list)  # whether it has one
@@ -324,6 +325,8 @@ class SpeculativeDecoder:
             run.seed = seed_words(params.seed, root.device)
         if self.budget is not None:
             run.stats = self.budget.stats_for(sampling_key(params), root.device)
+            run.report = torch.zeros(2 * root.shape[0] + 2 * len(run.stats.curve), device=root.device)
+            _write_report(run)
         # the token buffer's width changes with every request: one dynamic dimension, not one compile per width
         torch._dynamo.maybe_mark_dynamic(tokens, 1)
         if self.drafter is not None:
@@ -448,16 +451,11 @@ class SpeculativeDecoder:
 
     def _read(self, run: Run) -> Callable[[], bool]:
         """Enqueue the round's one device-to-host read; the returned function waits for it and says whether any
-        row is still active. Under a budget the same read brings the committed length and every option's running
-        expected tau for the next choice (into ``run``)."""
+        row is still active. Under a budget the same read (of the report the round's tail wrote) brings the
+        committed length and every option's running expected tau for the next choice (into ``run``)."""
         state, stats = run.state, run.stats
-        active = state.active.float()
-        n = active.sum()
-        if stats is None:
-            values = n[None]
-        else:
-            values = torch.cat([n[None], ((state.seqlens.float() * active).sum() / n.clamp(min=1))[None],
-                                stats.curve, stats.seen.float()])
+        # under a budget: the report the round's tail wrote (_write_report), so no op runs eagerly here
+        values = state.active.float().sum()[None] if stats is None else run.report
         event = None
         if values.is_cuda:
             host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
@@ -465,16 +463,20 @@ class SpeculativeDecoder:
             event = torch.cuda.Event()
             event.record()
         else:
-            host = values
+            host = values.clone()  # the report is rewritten by the next round's tail
 
         def wait() -> bool:
             if event is not None:
                 event.synchronize()
             got = host.tolist()
-            if stats is not None:
-                k = len(stats.curve)
-                run.context, run.curve, run.seen = got[1], got[2: 2 + k], [v > 0 for v in got[2 + k:]]
-            return got[0] > 0
+            if stats is None:
+                return got[0] > 0
+            B, K = state.root.shape[0], len(stats.curve)
+            active, lens = got[:B], got[B: 2 * B]
+            n = sum(active)
+            run.context = sum(a * c for a, c in zip(active, lens)) / max(n, 1.0)
+            run.curve, run.seen = got[2 * B: 2 * B + K], [v > 0 for v in got[2 * B + K:]]
+            return n > 0
 
         return wait
 
@@ -488,13 +490,13 @@ class SpeculativeDecoder:
         else:
             index = self._choose(run) if option is None else option
             with timer.phase("draft"):
-                draft, predicted = self._draft(run, index)
+                draft, predicted, keys = self._draft(run, index)
             with timer.phase("verify"):
                 logits = self._verify_logits(run, draft.tokens, draft.mask, draft.depths)
             with timer.phase("accept"):
                 inputs = (draft.tokens, draft.parents, draft.mask, draft.depths)
-                if run.stats is not None:  # the budget's trees carry both (AdaptiveBudget.shape, root_tree)
-                    inputs += (draft.scores, draft.sources)
+                if keys is not None:  # under a budget: the nodes' statistics cells (AdaptiveBudget.shape)
+                    inputs += (keys,)
                 emitted, kept = self._tail(run, "accept", logits, *inputs)
             run.nodes.append(draft.tokens.shape[1])
             if predicted is not None:
@@ -511,9 +513,9 @@ class SpeculativeDecoder:
         run.since_largest = 0 if index == self.budget.largest else run.since_largest + 1
         return index
 
-    def _draft(self, run: Run, index: Optional[int]) -> tuple[DraftTree, Optional[Tensor]]:
-        """The round's complete tree (and, under a budget, its expected tau): the drafter's tree, or the budget's
-        option ``index`` of it. Under CUDA graphs when enabled and the drafter offers ``graph_state``: one graph
+    def _draft(self, run: Run, index: Optional[int]) -> tuple[DraftTree, Optional[Tensor], Optional[Tensor]]:
+        """The round's complete tree (and, under a budget, its expected tau and its nodes' statistics cells
+        ``[B, T]``): the drafter's tree, or the budget's option ``index`` of it. Under CUDA graphs when enabled and the drafter offers ``graph_state``: one graph
         per option, captured on its first round of each generate call."""
         plain = index is not None and self.budget.options[index].spec is None
         if plain and not hasattr(self.drafter, "observe"):
@@ -530,15 +532,16 @@ class SpeculativeDecoder:
             run.draft_graphs[index] = CapturedDraft(fn, mutated)
         return run.draft_graphs[index]()
 
-    def _draft_body(self, run: Run, index: Optional[int]) -> tuple[DraftTree, Optional[Tensor]]:
+    def _draft_body(self, run: Run, index: Optional[int]) -> tuple[DraftTree, Optional[Tensor], Optional[Tensor]]:
         state = run.state
         if index is None:
-            return complete_tree(self._propose_fn(state, self.tree), self.tree), None
+            return complete_tree(self._propose_fn(state, self.tree), self.tree), None, None
         spec = self.budget.options[index].spec
-        if spec is None:  # a plain round: the root alone; the drafter only catches up
+        if spec is None:  # a plain round: the root alone (recorded nowhere); the drafter only catches up
             if hasattr(self.drafter, "observe"):
                 self.drafter.observe(state, self.tree)
-            return root_tree(state.root), torch.ones((), device=state.root.device)
+            tree = root_tree(state.root)
+            return tree, torch.ones((), device=state.root.device), tree.depths
         pool = complete_tree(self._propose_fn(state, spec), spec)
         return self.budget.shape(run.stats, pool, index, state.active)
 
@@ -581,10 +584,11 @@ class SpeculativeDecoder:
             run.seed)
         if accept_index is not None:
             if run.stats is not None:
-                _, _, _, depths, scores, sources = inputs
-                run.stats.record(run.stats.keys(depths, scores, sources), accept_index, accept_len, state.active)
+                run.stats.record(inputs[4], accept_index, accept_len, state.active)
             self._commit(run, accept_index, kept)
         fns["advance"](state.tokens, state.root, state.seqlens, run.generated, state.active, emitted, kept, finished)
+        if run.report is not None:
+            _write_report(run)
         return emitted, kept
 
     def _commit(self, run: Run, accept_index: Tensor, kept: Tensor) -> None:
@@ -679,6 +683,13 @@ def _check_numerics(numerics: Numerics, kv_update: KVUpdate, tp) -> None:
     if numerics is Numerics.INVARIANT and tp is not None:
         raise ValueError("Numerics.INVARIANT does not support a tensor-parallel target (its sharded linears and "
                          "all-reduces are not batch-invariant)")
+
+
+def _write_report(run: Run) -> None:
+    """What the next sync reads under a budget, in one float32 tensor: ``[active (B), seqlens (B), curve (K), seen
+    (K)]`` (written by the round's tail, inside its graph)."""
+    state, stats = run.state, run.stats
+    torch.cat([state.active.float(), state.seqlens.float(), stats.curve, stats.seen.float()], out=run.report)
 
 
 def _check_drafter(target: torch.nn.Module, drafter: Optional[Drafter], kv_update: KVUpdate) -> None:

@@ -105,8 +105,18 @@ def merge_trees(root: Tensor, trees: Sequence[Optional[DraftTree]], spec: TreeSp
         layout: each part's merged node indices (``spec.part_nodes()`` as int64 tensors on root's device).
 
     Returns:
-        a complete tree of ``spec.num_nodes`` nodes (tokens, parents, mask, depths, scores, sources).
+        a complete tree of ``spec.num_nodes`` nodes (tokens, parents, mask, depths, scores, sources). When one part
+        alone is drafted its tree is returned as it is (:func:`_one_part`): a few launches instead of dozens.
     """
+    drafted = [i for i, t in enumerate(trees) if t is not None]
+    if len(drafted) == 1 and spec.parts[drafted[0]] == spec.shape:
+        return _one_part(trees[drafted[0]], spec, drafted[0])
+    return _merge_all(root, trees, spec, layout)
+
+
+def _merge_all(root: Tensor, trees: Sequence[Optional[DraftTree]], spec: TreeSpec,
+               layout: Optional[Sequence[Tensor]]) -> DraftTree:
+    """The general path of :func:`merge_trees`: lay every part out, then deduplicate level by level."""
     B, T, dev = root.shape[0], spec.num_nodes, root.device
     if layout is None:
         layout = [torch.tensor(n, dtype=torch.int64, device=dev) for n in spec.part_nodes()]
@@ -129,6 +139,23 @@ def merge_trees(root: Tensor, trees: Sequence[Optional[DraftTree]], spec: TreeSp
     _dedup(tokens, parents, scores, sources, spec, len(trees))
     depths = spec.depth_tensor(dev).expand(B, T)
     return DraftTree(tokens, parents, tree_mask_from_parents(parents, spec), depths, scores, sources)
+
+
+def _one_part(tree: DraftTree, spec: TreeSpec, part: int) -> DraftTree:
+    """The merged tree when one part alone is drafted (the others are empty in ``spec``): that part's layout is the
+    merged one, so its tree is taken as it is, with sources ``1 << part`` (the root none) and the merged depths.
+
+    The general path would also deduplicate the part's own siblings; a part's tree is verified here as that drafter
+    alone would have it verified (the built-in drafters propose distinct siblings, except prompt lookup's fillers,
+    which score -inf either way), and the result equals the general path's whenever its siblings are distinct. It
+    relies on the protocol's root (token ``root``, parent -1, score 0)."""
+    B, T = tree.tokens.shape
+    dev = tree.tokens.device
+    scores = tree.scores.to(torch.float32) if tree.scores is not None else torch.zeros(B, T, device=dev)
+    sources = torch.full_like(tree.tokens, 1 << part)
+    sources[:, 0] = 0
+    mask = tree.mask if tree.mask is not None else tree_mask_from_parents(tree.parents, spec)
+    return DraftTree(tree.tokens, tree.parents, mask, spec.depth_tensor(dev).expand(B, T), scores, sources)
 
 
 def _dedup(tokens: Tensor, parents: Tensor, scores: Tensor, sources: Tensor, spec: TreeSpec, parts: int) -> None:

@@ -76,11 +76,22 @@ def prune_tree(tree: DraftTree, keys: Tensor, nodes: int) -> DraftTree:
         a complete tree of T nodes per row, in the order of ``tree`` (so parents still come first), with its
         mask, depths, scores and sources gathered and parents renumbered; rows differ in shape.
     """
-    B, P = keys.shape
+    return select_nodes(tree, kept_nodes(keys, nodes))
+
+
+def kept_nodes(keys: Tensor, nodes: int) -> Tensor:
+    """int64 ``[B, nodes]``: the pool indices :func:`prune_tree` keeps (the highest ``keys``), ascending."""
     order = torch.sort(keys, dim=1, descending=True, stable=True).indices[:, :nodes]
-    sel = order.sort(dim=1).values  # [B, T]: kept pool indices, ascending
-    new_index = torch.full((B, P), -1, dtype=torch.int64, device=keys.device)
-    new_index.scatter_(1, sel, torch.arange(nodes, device=keys.device).expand(B, nodes))
+    return order.sort(dim=1).values
+
+
+def select_nodes(tree: DraftTree, sel: Tensor) -> DraftTree:
+    """The subtree of the pool indices ``sel`` (int64 ``[B, T]``, ascending, ancestor-closed), parents
+    renumbered."""
+    B, P = tree.tokens.shape
+    nodes = sel.shape[1]
+    new_index = torch.full((B, P), -1, dtype=torch.int64, device=sel.device)
+    new_index.scatter_(1, sel, torch.arange(nodes, device=sel.device).expand(B, nodes))
     parents = new_index.gather(1, tree.parents.gather(1, sel).clamp(min=0))
     parents[:, 0] = -1
     rows = tree.mask.gather(1, sel[:, :, None].expand(B, nodes, P))

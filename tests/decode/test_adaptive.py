@@ -332,3 +332,97 @@ def test_bad_budget_arguments():
                            tree_shape=(2, 2)).generate(torch.tensor([[3, 4, 5]]), max_new_tokens=2)
     with pytest.raises(ValueError, match="two or more"):
         MergedDrafter(PromptLookupDrafter())
+
+
+# --- the adaptive round's fast paths against the general code -------------------------------------------------------
+
+
+def distinct_pool(spec: TreeSpec, rows: int, seed: int) -> DraftTree:
+    """Random level-order trees whose siblings are distinct (every node its own token), scores falling with depth."""
+    g = torch.Generator().manual_seed(seed)
+    T = spec.num_nodes
+    tokens = torch.randperm(1000, generator=g)[: rows * T].reshape(rows, T)
+    scores = -torch.rand(rows, T, generator=g).cumsum(dim=1)
+    scores[:, 0] = 0.0
+    return complete_tree(DraftTree(tokens, random_parents(spec, rows, seed), scores=scores), spec)
+
+
+@pytest.mark.parametrize("part_shapes", [((), (1, 1, 1, 1)), ((3, 4, 4), ())])
+def test_single_part_merge_is_the_general_merge(part_shapes):
+    """With one part drafted, merge_trees returns that part's tree as it is: every field equal to what the general
+    layout-and-deduplicate path returns (siblings distinct, as the built-in drafters propose them)."""
+    from longspec.decode.merge import _merge_all
+
+    spec = TreeSpec.merged(*part_shapes)
+    part = next(i for i, p in enumerate(part_shapes) if p)
+    tree = distinct_pool(spec.part_specs()[part], 3, seed=7)
+    trees = [tree if i == part else None for i in range(2)]
+    root = tree.tokens[:, 0]
+    fast, general = merge_trees(root, trees, spec), _merge_all(root, trees, spec, None)
+    for name in ("tokens", "parents", "mask", "depths", "scores", "sources"):
+        assert torch.equal(getattr(fast, name), getattr(general, name)), name
+
+
+def loop_shape(budget: AdaptiveBudget, stats, pool: DraftTree, index: int, active: torch.Tensor):
+    """AdaptiveBudget.shape as it was first written (one sort per group, one update per option), the reference for
+    the batched version: returns (tree, predicted tau) and updates stats.curve / stats.seen."""
+    from longspec.decode.budget import CURVE_RATE, _part_bits
+
+    option = budget.options[index]
+    p = stats.estimate(stats.keys(pool.depths, pool.scores, pool.sources))
+    p[:, 0] = 1.0
+    p = torch.where(pool.mask, p[:, None, :], torch.ones_like(p)[:, None, :]).amin(dim=-1)
+    weight = active.float() / active.float().sum().clamp(min=1.0)
+    groups: dict[tuple, list] = {}
+    for j, o in enumerate(budget.options):
+        if o.spec is None or o.spec.depth > option.spec.depth:
+            continue
+        bits = _part_bits(o.spec)
+        if bits & ~_part_bits(option.spec) or any(len(a) > len(b) for a, b in zip(o.spec.parts, option.spec.parts)):
+            continue
+        groups.setdefault((o.spec.depth, bits), []).append((j, o.nodes))
+    predicted = None
+    for (depth, bits), members in groups.items():
+        member = (pool.depths <= depth) & (((pool.sources & bits) != 0) | (pool.depths == 0))
+        ranked = torch.sort(torch.where(member, p, -1.0), dim=1, descending=True).values.clamp(min=0)
+        taus = (ranked.cumsum(dim=1) * weight[:, None]).sum(dim=0)
+        for j, nodes in members:
+            rate = CURVE_RATE if stats.seen[j] else 1.0
+            stats.curve[j] = (1 - rate) * stats.curve[j] + rate * taus[nodes - 1]
+            stats.seen[j] = True
+            if j == index:
+                predicted = taus[nodes - 1]
+    return prune_tree(pool, p, option.nodes), predicted
+
+
+@pytest.mark.parametrize("label", ["3-4-4|1-1-1-1/8", "3-4-4|1-1-1-1/16", "3-4|1-1/4", "none|1-1-1-1/5", "3-4-4|none/8"])
+def test_batched_shape_matches_the_loop(label):
+    """The batched AdaptiveBudget.shape keeps the same nodes, predicts the same tau and moves every option's curve
+    and seen flag as the per-group loop did, over two rounds (so both curve rates are used); the keys it hands the
+    tail are the kept nodes' statistics cells."""
+    from longspec.decode.budget import AcceptanceStats
+
+    spec = TreeSpec.merged((3, 4, 4), (1, 1, 1, 1))
+    budget = AdaptiveBudget(budgets=(2, 4, 8), depths=(2,))
+    budget.bind(spec)
+    index = [o.label for o in budget.options].index(label)
+    drafted = budget.options[index].spec
+    g = torch.Generator().manual_seed(3)
+    new, ref = (AcceptanceStats(2, spec.depth, len(budget.options), torch.device("cpu")) for _ in range(2))
+    counts = torch.rand(2, new.proposed.numel(), generator=g) * 10
+    for s in (new, ref):
+        s.proposed.copy_(counts[0] + counts[1])
+        s.accepted.copy_(counts[1])
+    active = torch.tensor([True, False, True])
+    for round_ in range(2):
+        parts = [distinct_pool(s, 3, seed=10 * round_ + i) if s is not None else None
+                 for i, s in enumerate(drafted.part_specs())]
+        pool = merge_trees(torch.zeros(3, dtype=torch.int64), parts, drafted)
+        tree, predicted, keys = budget.shape(new, pool, index, active)
+        want, want_predicted = loop_shape(budget, ref, pool, index, active)
+        for name in ("tokens", "parents", "mask", "depths", "scores", "sources"):
+            assert torch.equal(getattr(tree, name), getattr(want, name)), name
+        torch.testing.assert_close(predicted, want_predicted)
+        torch.testing.assert_close(new.curve, ref.curve)
+        assert torch.equal(new.seen, ref.seen) and new.seen.sum() >= 2
+        assert torch.equal(keys, new.keys(tree.depths, tree.scores, tree.sources))
