@@ -7,6 +7,7 @@ captured with :func:`capture`. Benchmarks use it too, so what they time is what 
 """
 from __future__ import annotations
 
+import gc
 import time
 from typing import Callable, Generic, Optional, Sequence, TypeVar
 
@@ -46,8 +47,20 @@ def capture(
         graph.register_generator_state(gen)
     # A torch.compile'd fn compiled during the warm-up; compiling again inside the capture cannot work (Inductor
     # reads values back from the device), so a recompile there is an error with its reason, not a broken capture.
-    with torch.compiler.set_stance("fail_on_recompile"), torch.cuda.graph(graph):
-        out = fn()
+    # Two guards against CUDA calls that are not ours invalidating the capture (seen on the H200 as
+    # cudaErrorStreamCaptureInvalidated at random points of a draft capture, after earlier decoders of the same
+    # process had been dropped; the cause is not pinned down): thread-local capture mode, so another thread's
+    # synchronising call cannot break it, and no cyclic garbage collection inside the capture, so no destructor of
+    # a dropped decoder's graphs, events or memory runs in the middle of it (torch.cuda.graph collects just before).
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with (torch.compiler.set_stance("fail_on_recompile"),
+              torch.cuda.graph(graph, capture_error_mode="thread_local")):
+            out = fn()
+    finally:
+        if collecting:
+            gc.enable()
     return graph, out
 
 
