@@ -155,8 +155,9 @@ def invariant_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -
         x: ``[..., K]``; weight: ``[N, K]`` (x's dtype); bias: ``[N]`` or None.
 
     Returns:
-        ``[..., N]`` in x's dtype, accumulated in float32. On CUDA one fixed tile configuration serves every M and
-        there is no split-K, so a row computed alone equals the same row inside a larger call bit for bit.
+        ``[..., N]`` in x's dtype, accumulated in float32. On CUDA one fixed tile configuration serves every M, and
+        the split-K count (narrow outputs) depends on N, K and the device's SM count only, with the partials summed
+        in a fixed order, so a row computed alone equals the same row inside a larger call bit for bit.
     """
     return _ops.invariant_linear(x, weight, bias)
 

@@ -81,14 +81,19 @@ class Numerics(enum.Enum):
     FAST: the fastest kernels (cuBLAS linears, PyTorch norms, split-KV attention sized by the launch). In float32
           speculative output equals plain decoding's; in bf16 a near-tie of the next-token logits may flip, because
           a verify forward (T tokens) and a decode forward (1 token) reduce in different orders.
-    INVARIANT: batch-invariant kernels (:mod:`longspec.model.invariant`): one fixed GEMM tiling for every M with no
-          split-K, row-wise RMSNorm, and attention split at fixed absolute key positions where each tree node sees
-          exactly the keys decoding would after its ancestors are committed. A token's logits inside a verify
-          forward are then bitwise equal to plain decoding's (``drafter=None`` in this mode: the reference) for any
-          tree, drafter and batch row, in bf16 too, so the output equals plain decoding in this mode token for
-          token. The prefill (identical for both) stays FAST. Cost: not yet measured on a GPU (``python -m
-          benchmarks.bench_step_latency --numerics both``); expect the linears to cost more than cuBLAS's at
-          decode widths. Needs ``KVUpdate.COMMIT`` and a target on one device (no tensor parallelism).
+    INVARIANT: batch-invariant kernels (:mod:`longspec.model.invariant`): one fixed GEMM tiling for every M
+          (split-K chosen by N and K only, the partials summed in a fixed order), row-wise RMSNorm, and attention
+          split at fixed absolute key positions where each tree node sees exactly the keys decoding would after its
+          ancestors are committed. A token's logits inside a verify forward are then bitwise equal to plain
+          decoding's (``drafter=None`` in this mode: the reference) for any tree, drafter and batch row, in bf16
+          too, so the output equals plain decoding in this mode token for token. The prefill (identical for both)
+          stays FAST. ``compile=True`` does not compile the target's layers in this mode (Inductor would fuse the
+          elementwise work between the invariant ops, RoPE and the residual adds, differently from eager, and the
+          compiled engine would round differently from the uncompiled one); the drafter's ``propose`` and the
+          round's tail, which do not produce the target's logits, are still compiled. Cost (H200, bf16,
+          Llama-3-8B, 32k, before split-K): decode 2.05x and verify 2.28x the FAST forwards, mostly the linears
+          (``python -m benchmarks.bench_step_latency --numerics both``, ``python -m benchmarks.sweep_invariant``).
+          Needs ``KVUpdate.COMMIT`` and a target on one device (no tensor parallelism).
     """
 
     FAST = enum.auto()
@@ -162,7 +167,8 @@ class SpeculativeDecoder:
         compile: ``torch.compile`` the target's decoder layers (:class:`~longspec.model.target.CompiledTarget`),
             the drafter's ``propose`` when it declares ``compilable = True`` (the LongSpec and prompt-lookup
             drafters do) and the round's tail. The first round of each new shape waits for the compile (seconds
-            per compiled function; torch.compile caches the results on disk, so later processes wait less).
+            per compiled function; torch.compile caches the results on disk, so later processes wait less). With
+            ``numerics=Numerics.INVARIANT`` the target's layers are not compiled (see :class:`Numerics`).
         prefill_chunk_size: prompt tokens per prefill forward (bounds prefill activation memory).
         max_cache_len: refuse requests needing more cache rows than this (prompt + max_new_tokens + scratch rows).
         kv_update: :class:`KVUpdate` strategy for the accepted path's K/V (COMMIT by default).
@@ -230,7 +236,9 @@ class SpeculativeDecoder:
         self._cache: Optional[StaticKVCache] = None
         self._graphs: dict[str, CapturedCall] = {}
         self.phase_times = bool(phase_times)
-        self._compiled = CompiledTarget(target) if compile else None
+        # INVARIANT: the target's layers stay eager (see Numerics): Inductor's fusions of the elementwise work between
+        # the invariant ops round differently from eager. The drafter and the tail do not make the target's logits.
+        self._compiled = CompiledTarget(target) if compile and numerics is not Numerics.INVARIANT else None
         self._propose_fn = drafter.propose if drafter is not None else None
         self._tail_fns = TAIL
         if compile:

@@ -6,8 +6,11 @@ choosing a strategy by the row count, attention splitting the keys by the launch
 and bf16 outputs part at near-ties. These kernels fix every reduction order independently of the launch's shape
 (He et al., "Defeating Nondeterminism in LLM Inference", Thinking Machines Lab, 2025):
 
-* ``_linear_kernel``: ``y = x @ W^T (+ b)`` with one tile configuration for every M (:class:`InvariantConfig`), the
-  K loop in order, no split-K, float32 accumulation; a row's dot products never see another row.
+* ``_linear_kernel`` (+ ``_split_k_sum_kernel``): ``y = x @ W^T (+ b)`` with one tile configuration for every M
+  (:class:`InvariantConfig`), float32 accumulation, the K loop in order; a row's dot products never see another
+  row. Narrow outputs split K into ``SPLIT_K`` fixed ranges (a count chosen from N, K and the device's SM count,
+  never from M), each reduced in order into a float32 partial, and the partials are summed in ascending order by a
+  second kernel (bias and the cast there): the same order for every M.
 * ``_rms_norm_kernel``: one program per row, one block over the hidden size.
 * ``_invariant_split_kernel`` + ``_invariant_merge_kernel``: split-KV attention whose splits start at fixed absolute
   key positions (multiples of ``split``) and whose blocks start at fixed offsets inside them, so key position p
@@ -37,16 +40,19 @@ from .attention import _LN2
 def _linear_kernel(
     X,  # (M, K) stride(-1) == 1
     W,  # (N, K) stride(-1) == 1
-    BIAS,  # (N,)                          [HAS_BIAS]
-    Y,  # (M, N) contiguous, X's dtype
-    M, N, K,
+    BIAS,  # (N,)                          [HAS_BIAS and not SPLIT]
+    Y,  # (M, N) contiguous, X's dtype; with SPLIT: float32 (SPLIT_K, M, N) partials
+    M, N, K, K_SPLIT,
     stride_xm, stride_wn,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
+    # Program (pid, s) reduces K range [s * K_SPLIT, min((s + 1) * K_SPLIT, K)) in ascending BLOCK_K steps; K_SPLIT
+    # is a multiple of BLOCK_K chosen from (N, K) only, so a row's partials never depend on M.
     # M tiles vary fastest: the programs that read one W tile run together, and its re-reads hit L2.
     num_m = tl.cdiv(M, BLOCK_M)
     pid = tl.program_id(0)
+    pid_s = tl.program_id(1)
     pid_m = pid % num_m
     pid_n = pid // num_m
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -54,20 +60,48 @@ def _linear_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    k_lo = pid_s * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + (k_lo + offs_k)[None, :]
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + (k_lo + offs_k)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = (k0 + offs_k) < K
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k_ok = (k0 + offs_k) < k_hi
         x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if SPLIT:
+        y_ptrs = Y + pid_s.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        tl.store(y_ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])
+    else:
+        if HAS_BIAS:
+            acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        y_ptrs = Y + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["MN"])
+def _split_k_sum_kernel(
+    WS,  # float32 (SPLIT_K, M, N) partials of _linear_kernel
+    BIAS,  # (N,)                          [HAS_BIAS]
+    Y,  # (M, N) contiguous
+    MN, N, SPLIT_K,
+    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # Element-wise over the M * N outputs: partial 0, then + partial 1, + partial 2, ... in ascending order (float
+    # adds are not reassociated), then + bias and one rounding to Y's dtype. No element sees another.
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < MN
+    ws_ptrs = WS + offs
+    acc = tl.load(ws_ptrs, mask=ok, other=0.0)
+    for _ in range(1, SPLIT_K):
+        ws_ptrs += MN
+        acc += tl.load(ws_ptrs, mask=ok, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = Y + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        acc += tl.load(BIAS + offs % N, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Y + offs, acc.to(Y.dtype.element_ty), mask=ok)
 
 
 # RMSNorm --------------------------------------------------------------------------------------------------------

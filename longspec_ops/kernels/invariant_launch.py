@@ -13,8 +13,9 @@ import torch
 from torch import Tensor
 
 from .attention import _LOG2E
-from .configs import _cdiv, _next_pow2
-from .invariant import _invariant_merge_kernel, _invariant_split_kernel, _linear_kernel, _rms_norm_kernel
+from .configs import _cdiv, _next_pow2, _num_sms
+from .invariant import (_invariant_merge_kernel, _invariant_split_kernel, _linear_kernel, _rms_norm_kernel,
+                        _split_k_sum_kernel)
 from .launch import _dot_precision
 
 
@@ -23,8 +24,12 @@ class InvariantConfig:
     """Fixed tiles of the invariant kernels (every field a sweep knob for the GPU benchmark).
 
     Attributes:
-        linear_block_m, linear_block_n, linear_block_k: the GEMM tile (M rows x N outputs x K step); no split-K.
+        linear_block_m, linear_block_n, linear_block_k: the GEMM tile (M rows x N outputs x K step).
         linear_warps, linear_stages: its Triton launch options.
+        linear_split_waves: the split-K rule (:func:`linear_split_k`): when the ``cdiv(N, linear_block_n)`` output
+            tiles of an M = 1 call fill less than one wave of the device's SMs, K is split so that the M = 1 call
+            has about ``linear_split_waves`` waves of programs; 0 never splits.
+        linear_split_k: a forced split count instead of the rule (sweeps and tests); None: the rule.
         attn_block_m: rows (query, GQA head) per attention tile; a tile holds ``attn_block_m // G`` queries (raised
             to the next power of two >= G when G is larger).
         attn_block_n: keys per block; ``split``: keys per KV split, a multiple of ``attn_block_n``. Split s covers
@@ -37,6 +42,8 @@ class InvariantConfig:
     linear_block_k: int = 64
     linear_warps: int = 4
     linear_stages: int = 3
+    linear_split_waves: int = 2
+    linear_split_k: Optional[int] = None
     attn_block_m: int = 64
     attn_block_n: int = 64
     split: int = 2048
@@ -50,13 +57,18 @@ class InvariantConfig:
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"InvariantConfig.{name} must be a power of two >= 16, got {value}")
+        if self.linear_split_waves < 0:
+            raise ValueError(f"InvariantConfig.linear_split_waves must be >= 0, got {self.linear_split_waves}")
+        if self.linear_split_k is not None and self.linear_split_k < 1:
+            raise ValueError(f"InvariantConfig.linear_split_k must be None or >= 1, got {self.linear_split_k}")
         if self.split < self.attn_block_n or self.split % self.attn_block_n:
             raise ValueError(f"InvariantConfig.split must be a positive multiple of attn_block_n "
                              f"({self.attn_block_n}), got {self.split}")
 
 
 # 16-bit inputs use tensor cores (64-row tiles: one Hopper warpgroup MMA); float32 runs IEEE dots on FMA units and
-# takes small tiles. Not yet swept on a GPU.
+# takes small tiles. Split-K (linear_split_waves) fills the SMs at M = 1 for narrow outputs. Not yet swept on a GPU
+# (`python -m benchmarks.sweep_invariant`).
 _CONFIGS = {
     True: InvariantConfig(),
     False: InvariantConfig(linear_block_m=32, linear_block_n=32, linear_block_k=32, linear_stages=2,
@@ -69,9 +81,31 @@ def invariant_config(dtype: torch.dtype) -> InvariantConfig:
     return _CONFIGS[dtype in (torch.float16, torch.bfloat16)]
 
 
+_SUM_BLOCK = 1024
+_MAX_SPLIT_K = 32  # caps the float32 workspace ([SPLIT_K, M, N]) and the sum kernel's loop
+
+
+def linear_split_k(N: int, K: int, cfg: InvariantConfig, sms: int) -> tuple[int, int]:
+    """``(split_k, k_split)``: how many K ranges of ``k_split`` elements (a multiple of ``linear_block_k``; the
+    last range may be shorter) an ``[N, K]`` weight's products are split into. A function of N, K, the config and
+    the device's SM count ``sms`` only, never of M: every row of every call on this device reduces in the same
+    order."""
+    k_blocks = max(1, _cdiv(K, cfg.linear_block_k))
+    if cfg.linear_split_k is not None:
+        split = cfg.linear_split_k
+    else:
+        n_tiles = _cdiv(N, cfg.linear_block_n)
+        split = 1 if cfg.linear_split_waves == 0 or n_tiles >= sms else \
+            _cdiv(cfg.linear_split_waves * sms, n_tiles)
+    split = max(1, min(split, k_blocks, _MAX_SPLIT_K))
+    k_split = _cdiv(k_blocks, split) * cfg.linear_block_k
+    return max(1, _cdiv(K, k_split)), k_split  # no empty ranges
+
+
 def invariant_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], *,
                      config: Optional[InvariantConfig] = None) -> Tensor:
-    """``x [..., K] @ weight[N, K]^T (+ bias [N])`` -> ``[..., N]`` in x's dtype, float32 accumulation."""
+    """``x [..., K] @ weight[N, K]^T (+ bias [N])`` -> ``[..., N]`` in x's dtype, float32 accumulation (split-K
+    per :func:`linear_split_k`, the partials summed in a fixed order)."""
     cfg = config or invariant_config(x.dtype)
     K = x.shape[-1]
     N = weight.shape[0]
@@ -81,13 +115,21 @@ def invariant_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], *,
     M = x2.shape[0]
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M and N:
-        grid = (_cdiv(M, cfg.linear_block_m) * _cdiv(N, cfg.linear_block_n),)
+        split_k, k_split = linear_split_k(N, K, cfg, _num_sms(x.device))
+        # split: float32 partials [split_k, M, N], summed in order by _split_k_sum_kernel (bias and cast there)
+        dst = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else y
+        b = bias if bias is not None else weight
+        grid = (_cdiv(M, cfg.linear_block_m) * _cdiv(N, cfg.linear_block_n), split_k)
         _linear_kernel[grid](
-            x2, weight, bias if bias is not None else weight, y, M, N, K, x2.stride(0), weight.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_M=cfg.linear_block_m, BLOCK_N=cfg.linear_block_n,
+            x2, weight, b, dst, M, N, K, k_split, x2.stride(0), weight.stride(0),
+            HAS_BIAS=bias is not None, SPLIT=split_k > 1, BLOCK_M=cfg.linear_block_m, BLOCK_N=cfg.linear_block_n,
             BLOCK_K=cfg.linear_block_k, DOT_PRECISION=_dot_precision(x.dtype),
             num_warps=cfg.linear_warps, num_stages=cfg.linear_stages,
         )
+        if split_k > 1:
+            _split_k_sum_kernel[(_cdiv(M * N, _SUM_BLOCK),)](dst, b, y, M * N, N, split_k,
+                                                            HAS_BIAS=bias is not None, BLOCK=_SUM_BLOCK,
+                                                            num_warps=4)
     return y.reshape(*x.shape[:-1], N)
 
 

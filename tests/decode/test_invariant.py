@@ -55,6 +55,22 @@ def test_swap_is_scoped():
     torch.testing.assert_close(inside, head(x))
 
 
+def test_compile_leaves_the_target_eager():
+    """compile=True with INVARIANT compiles the drafter's propose and the tail but not the target's layers (whose
+    fused elementwise work would round differently from eager); with FAST it compiles the layers. Nothing is run,
+    so nothing compiles here."""
+    target = tiny_target(FAMILY)
+    drafter = PromptLookupDrafter()
+    dec = SpeculativeDecoder(target, drafter, tree_shape=(3, 3), compile=True, numerics=Numerics.INVARIANT)
+    assert dec._compiled is None and dec._propose_fn is not drafter.propose
+    with dec._compiled_layers():
+        assert all(m._compiled_call_impl is None for m in target.base_model.layers)
+    fast = SpeculativeDecoder(target, drafter, tree_shape=(3, 3), compile=True)
+    with fast._compiled_layers():
+        assert all(m._compiled_call_impl is not None for m in target.base_model.layers)
+    assert all(m._compiled_call_impl is None for m in target.base_model.layers)
+
+
 def test_tree_ancestors():
     spec = TreeSpec((2, 2, 1))
     parents = torch.tensor([[-1, 0, 0, 2, 1, 3]])

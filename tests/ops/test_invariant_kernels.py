@@ -19,7 +19,7 @@ from longspec.decode.drafter import TreeSpec  # noqa: E402
 from longspec.decode.tree import tree_mask_from_parents  # noqa: E402
 from longspec.model.invariant import tree_ancestors  # noqa: E402
 from longspec_ops.kernels.invariant_launch import (InvariantConfig, invariant_attn, invariant_linear,  # noqa: E402
-                                                   rms_norm)
+                                                   linear_split_k, rms_norm)
 from longspec_ops.reference import invariant as ref  # noqa: E402
 
 from .test_triton_kernels import DEVICE, INTERPRET, _check, _interpreter_loop_bounds  # noqa: E402,F401
@@ -53,6 +53,42 @@ def _rand(*shape, dtype, seed):
 TOL = {torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2), torch.float32: (1e-5, 1e-5)}
 
 
+# Linear configs: the table's (split-K by the rule: under the interpreter a nominal 4 SMs, so these small N split),
+# small tiles (split by the rule), split-K off, and a forced uneven split (5 K blocks of 16 in 3 ranges of 32).
+NO_SPLIT = InvariantConfig(linear_split_waves=0)
+FORCED = InvariantConfig(linear_block_m=16, linear_block_n=16, linear_block_k=16, linear_split_k=3)
+LINEAR_CONFIGS = [None, SMALL, NO_SPLIT, FORCED]
+LINEAR_IDS = ["table", "small", "nosplit", "forced3"]
+
+
+def test_linear_split_rule():
+    """The split count is a function of (N, K, config, SMs): at Llama-3-8B's shapes on a 132-SM GPU narrow outputs
+    get 1 .. 4 waves of programs at M = 1, each range a multiple of BLOCK_K, and the LM head is not split."""
+    for cfg in (InvariantConfig(), InvariantConfig(linear_block_n=128, linear_block_k=128)):
+        for N, K in ((4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (128256, 4096)):
+            split, k_split = linear_split_k(N, K, cfg, 132)
+            tiles = -(-N // cfg.linear_block_n)
+            assert k_split % cfg.linear_block_k == 0 and (split - 1) * k_split < K <= split * k_split
+            if tiles >= 132:
+                assert split == 1, (N, K)
+            else:
+                assert 132 <= tiles * split <= 4 * 132, (N, K, split)
+    assert linear_split_k(40, 72, SMALL, 4) == (3, 32)  # the CPU tests below do split
+    assert linear_split_k(40, 72, InvariantConfig(), 4) == (2, 64)
+    assert linear_split_k(40, 72, NO_SPLIT, 4)[0] == 1 and linear_split_k(40, 72, FORCED, 4) == (3, 32)
+
+
+@pytest.mark.parametrize("config", LINEAR_CONFIGS, ids=LINEAR_IDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_configs_match_reference(dtype, config):
+    x, w = _rand(2, 19, 72, dtype=dtype, seed=0), _rand(40, 72, dtype=dtype, seed=1) * 0.1  # K, N straddle tiles
+    b = _rand(40, dtype=dtype, seed=2)
+    got = invariant_linear(x, w, b, config=config)
+    want = ref.invariant_linear(x.double(), w.double(), b.double())
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(got.double(), want, atol=atol, rtol=rtol)
+
+
 @pytest.mark.parametrize("config,bias", [(None, False), (None, True), (SMALL, True)], ids=["table", "bias", "small"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_linear_matches_reference(dtype, bias, config):
@@ -77,15 +113,16 @@ def test_rms_norm_matches_reference(dtype, H):
 
 
 @pytest.mark.usefixtures("_row_local_dot")
+@pytest.mark.parametrize("config", LINEAR_CONFIGS, ids=LINEAR_IDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_row_invariance(dtype):
-    """A row at M = 1, inside M = 74 and inside a [3, 74] batch: the same bits."""
+def test_linear_row_invariance(dtype, config):
+    """A row at M = 1, inside M = 74 and inside a [3, 74] batch: the same bits (split-K on and off)."""
     x, w = _rand(3, 74, 72, dtype=dtype, seed=5), _rand(40, 72, dtype=dtype, seed=6) * 0.1
     b = _rand(40, dtype=dtype, seed=7)
-    batch = invariant_linear(x, w, b)
-    wide = invariant_linear(x[1], w, b)
+    batch = invariant_linear(x, w, b, config=config)
+    wide = invariant_linear(x[1], w, b, config=config)
     for m in (0, 17, 73):
-        alone = invariant_linear(x[1, m:m + 1], w, b)
+        alone = invariant_linear(x[1, m:m + 1], w, b, config=config)
         assert torch.equal(alone[0], wide[m]) and torch.equal(wide[m], batch[1, m])
 
 
