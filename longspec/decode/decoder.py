@@ -91,8 +91,9 @@ class Numerics(enum.Enum):
           elementwise work between the invariant ops, RoPE and the residual adds, differently from eager, and the
           compiled engine would round differently from the uncompiled one); the drafter's ``propose`` and the
           round's tail, which do not produce the target's logits, are still compiled. Cost (H200, bf16,
-          Llama-3-8B, 32k, before split-K): decode 2.05x and verify 2.28x the FAST forwards, mostly the linears
-          (``python -m benchmarks.bench_step_latency --numerics both``, ``python -m benchmarks.sweep_invariant``).
+          Llama-3-8B, 32k): decode 1.60x, verify 2.13x and a LongSpec round 1.81x the FAST mode's with
+          ``compile=True``, mostly the attention, then the uncompiled elementwise ops and the linears (``python -m
+          benchmarks.bench_step_latency --numerics both``, ``python -m benchmarks.sweep_invariant``).
           Needs ``KVUpdate.COMMIT`` and a target on one device (no tensor parallelism).
     """
 
