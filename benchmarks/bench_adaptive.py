@@ -100,7 +100,7 @@ def make_decoder(target, factory, shape, budget_factory, cuda: bool, calibrate_a
 def decode_all(dec, prompts, new_tokens: int, temperature: float, device: str) -> dict:
     emitted = forwards = 0
     seconds = capture = 0.0
-    outputs, nodes, predicted, realised = [], [], [], []
+    outputs, nodes, predicted, realised, options = [], [], [], [], {}
     for i, ids in enumerate(prompts):
         if device.startswith("cuda"):
             torch.cuda.synchronize()
@@ -113,11 +113,14 @@ def decode_all(dec, prompts, new_tokens: int, temperature: float, device: str) -
         nodes += out.stats.nodes_per_round
         predicted += out.stats.predicted_tau
         realised += out.stats.realised_tau
+        for label in out.stats.option_per_round:
+            options[label] = options.get(label, 0) + 1
     row = {"tau": emitted / max(1, forwards), "tokens_per_s": emitted / max(seconds, 1e-9),
            "capture_ms_per_call": 1e3 * capture / len(prompts), "outputs": outputs}
     if predicted:
         row.update(nodes_per_round=sum(nodes) / len(nodes), predicted_tau=sum(predicted) / len(predicted),
-                   realised_tau=sum(realised) / len(realised))
+                   realised_tau=sum(realised) / len(realised),
+                   options=dict(sorted(options.items(), key=lambda kv: -kv[1])))  # rounds per chosen option
     return row
 
 

@@ -134,6 +134,7 @@ class Run:
     history: list[Tensor] = field(default_factory=list)  # per round: int64 [B] tokens emitted
     nodes: list[int] = field(default_factory=list)  # per round: the verified tree's node count
     predicted: list[Tensor] = field(default_factory=list)  # per drafted round under a budget: expected tau []
+    options: list[str] = field(default_factory=list)  # per round under a budget: the chosen option's label
     draft_graphs: dict = field(default_factory=dict)  # option index (None: the fixed tree) -> CapturedDraft
     tails: dict = field(default_factory=dict)  # (tail name, nodes) -> this call's round tail as a CUDA graph
     dropped_capture_s: float = 0.0  # capture seconds of draft graphs dropped within the call (drafter re-prefilled)
@@ -297,7 +298,7 @@ class SpeculativeDecoder:
                                          pad_id(self.target, eos))
         t2 = time.perf_counter()
         stats = collect_stats(run.history, run.generated, timer, t1 - t0, t2 - t1, run.nodes, run.predicted,
-                              self._capture_seconds(run) - held_capture_s)
+                              self._capture_seconds(run) - held_capture_s, run.options)
         return GenerateOutput(sequences, accept_lengths(run.history, run.generated.shape[0]), stats)
 
     def _capture_seconds(self, run: Run) -> float:
@@ -449,12 +450,12 @@ class SpeculativeDecoder:
             self._round(run, timer, streamer)
             read = self._read(run)
         while alive:
-            marks = (len(run.history), len(run.nodes), len(run.predicted))
+            marks = (len(run.history), len(run.nodes), len(run.predicted), len(run.options))
             self._round(run, timer, streamer)  # round k + 1, enqueued before the read after round k is in
             after = self._read(run)
             alive = read()
             if not alive:
-                del run.history[marks[0]:], run.nodes[marks[1]:], run.predicted[marks[2]:]
+                del run.history[marks[0]:], run.nodes[marks[1]:], run.predicted[marks[2]:], run.options[marks[3]:]
             read = after
         return t1
 
@@ -508,6 +509,8 @@ class SpeculativeDecoder:
                     inputs += (keys,)
                 emitted, kept = self._tail(run, "accept", logits, *inputs)
             run.nodes.append(draft.tokens.shape[1])
+            if index is not None:
+                run.options.append(self.budget.options[index].label)
             if predicted is not None:
                 run.predicted.append(predicted.clone())  # a static graph output under graphs, like `kept`
         run.history.append(kept.clone())  # under graphs `kept` is the tail's static output, rewritten next round

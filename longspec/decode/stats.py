@@ -25,7 +25,8 @@ class DecodeStats:
 
     Per round (speculative decoding): ``nodes_per_round`` (the verified tree's size: constant for a fixed tree,
     the budget's choice under an adaptive one, 1 for a plain round), ``realised_tau`` (tokens emitted per active
-    row) and, under an adaptive budget, ``predicted_tau`` (the expected tau the choice was made on).
+    row) and, under an adaptive budget, ``predicted_tau`` (the expected tau the choice was made on) and
+    ``option_per_round`` (the chosen option's label, e.g. ``"plain"`` or ``"4-16-16|none/32"``).
     """
 
     rounds: int = 0
@@ -40,6 +41,7 @@ class DecodeStats:
     nodes_per_round: list[int] = field(default_factory=list)
     realised_tau: list[float] = field(default_factory=list)
     predicted_tau: list[float] = field(default_factory=list)
+    option_per_round: list[str] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -106,7 +108,7 @@ def accept_lengths(history: list[Tensor], batch: int) -> list[list[int]]:
 
 def collect_stats(history: list[Tensor], generated: Tensor, timer: PhaseTimer, prefill_s: float,
                   decode_s: float, nodes: Sequence[int] = (), predicted: Sequence[Tensor] = (),
-                  capture_s: float = 0.0) -> DecodeStats:
+                  capture_s: float = 0.0, options: Sequence[str] = ()) -> DecodeStats:
     emitted = torch.stack(history).cpu() if history else torch.zeros(0, 1, dtype=torch.int64)
     active_pairs = int((emitted > 0).sum())
     per_round = (emitted.sum(dim=1) / (emitted > 0).sum(dim=1).clamp(min=1)).tolist()
@@ -115,7 +117,8 @@ def collect_stats(history: list[Tensor], generated: Tensor, timer: PhaseTimer, p
                         time_prefill=prefill_s, time_decode=decode_s, time_capture=capture_s,
                         nodes_per_round=list(nodes),
                         realised_tau=per_round if nodes else [],
-                        predicted_tau=torch.stack(list(predicted)).tolist() if predicted else [])
+                        predicted_tau=torch.stack(list(predicted)).tolist() if predicted else [],
+                        option_per_round=list(options))
     if timer.enabled:
         times = timer.seconds()
         stats.time_draft, stats.time_verify, stats.time_accept = (times.get(k, 0.0) for k in ("draft", "verify",

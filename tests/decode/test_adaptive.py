@@ -221,7 +221,9 @@ def test_adaptive_greedy_matches_transformers(case):
     out = dec.generate(ids, max_new_tokens=NEW, attention_mask=mask)
     assert_same_tokens(out.sequences, want, scores, start=ids.shape[1])
     s = out.stats
-    assert len(s.nodes_per_round) == len(s.predicted_tau) == len(s.realised_tau) == s.rounds
+    assert len(s.nodes_per_round) == len(s.predicted_tau) == len(s.realised_tau) == len(s.option_per_round) == s.rounds
+    labels = {o.label: o.nodes for o in budget.options}
+    assert [labels[o] for o in s.option_per_round] == s.nodes_per_round  # the chosen option, round by round
     assert len(set(s.nodes_per_round)) >= 2, "the budget never changed the tree"
     assert all(t >= 1.0 for t in s.predicted_tau)
     assert max(max(row) for row in out.accept_lengths) >= 2
@@ -248,7 +250,7 @@ def test_every_option_kind_is_exact(option):
     out = SpeculativeDecoder(target, make(target), tree_shape=spec, budget=budget).generate(
         ids, max_new_tokens=NEW, attention_mask=mask)
     assert_same_tokens(out.sequences, want, scores, start=ids.shape[1])
-    assert set(out.stats.nodes_per_round) == {chosen.nodes}
+    assert set(out.stats.nodes_per_round) == {chosen.nodes} and set(out.stats.option_per_round) == {chosen.label}
 
 
 @pytest.mark.parametrize("case", ["longspec+pld"])
