@@ -83,7 +83,7 @@ def labelled(counter: OpCounter, targets: dict[str, tuple[object, str]]):
 
 def pieces(counter: OpCounter) -> dict[str, tuple[object, str]]:
     return {
-        "sync": (decoder_mod.SpeculativeDecoder, "_sync"),
+        "sync": (decoder_mod.SpeculativeDecoder, "_read"),
         "draft": (decoder_mod.SpeculativeDecoder, "_draft_body"),
         "draft/longspec propose": (LongSpecDrafter, "propose"),
         "draft/longspec observe": (LongSpecDrafter, "observe"),
@@ -103,10 +103,10 @@ def count_round(dec: SpeculativeDecoder, context: int, option, rounds: int = 3) 
     counter = OpCounter()
     with dec.rounds():
         dec.step(run, option=option)
-        dec._sync(run) if run.stats is not None else bool(run.state.active.any())
+        dec._read(run)()
         with labelled(counter, pieces(counter)), counter:
             for _ in range(rounds):
-                dec._sync(run)
+                dec._read(run)()
                 dec.step(run, option=option)
     return Counter({k: v / rounds for k, v in counter.counts.items()})
 

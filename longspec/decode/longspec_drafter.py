@@ -20,8 +20,9 @@ included) plus its ancestors and itself; the left edge depends on the node's dep
   mask), so the tree structure is built once per round.
 
 **A round** (:meth:`LongSpecDrafter.propose`): (1) re-feed: the K/V of the tokens committed since the last call and
-of the new root (at most ``depth + 1`` of them; a fixed count, masked) go into the ring; only the root also needs a
-query, since a single block's K/V depend on nothing but (token, position). (2) The ring is read into the window.
+of the new root go into the ring (a fixed W + 1 positions ending at the root, masked to those not in the ring yet,
+so any number of rounds may pass between two calls: a round that leaves this drafter out costs it nothing); only
+the root also needs a query, since a single block's K/V depend on nothing but (token, position). (2) The ring is read into the window.
 (3) Level 0 runs the root, levels 1..depth-1 run all nodes of the previous depth: self-attention =
 ``prefix_attn`` over the window merged with ``tree_attn`` over the ancestors; cross-attention = ``draft_cross_attn``
 with ``q_pos = root + d`` and the target's committed length, so every node sees the target rows before the root.
@@ -172,7 +173,7 @@ class LongSpecDrafter:
         scores are the nodes' cumulative log-probabilities under the draft.
         """
         self._check_round(state, tree)
-        self._refeed(state, tree)
+        self._refeed(state)
         self._read_window(state.seqlens.to(torch.int64))
         tokens, parents = [state.root[:, None]], [torch.full_like(state.root[:, None], -1)]
         level, cum = state.root[:, None], torch.zeros(state.root.shape[0], 1, device=state.root.device)
@@ -192,30 +193,29 @@ class LongSpecDrafter:
 
     @torch.no_grad()
     def observe(self, state: DecodeState, tree: TreeSpec) -> None:
-        """Write the K/V of the tokens committed since the last call (and of the root) into the ring, drafting
-        nothing: for rounds that verify no tree of this drafter (``tree`` only bounds the tokens to catch up on,
-        through its depth when ``state.max_depth`` is None)."""
-        self._check_round(state)
-        self._refeed(state, tree)
+        """Nothing to catch up on now: the next ``propose`` re-feeds every position since the last call that its
+        window still reaches (for rounds that verify no tree of this drafter)."""
 
-    def _check_round(self, state: DecodeState, tree: Optional[TreeSpec] = None) -> None:
+    def _check_round(self, state: DecodeState, tree: TreeSpec) -> None:
         if self.cache is None or self.cache.ring_k.shape[0] != state.tokens.shape[0]:
             raise RuntimeError("LongSpecDrafter.propose needs prefill() for this batch first")
-        if tree is not None and tree.shape != self._tree.shape[: tree.depth]:
+        if tree.shape != self._tree.shape[: tree.depth]:
             raise ValueError(f"tree {tree.shape} is not the tree given to prefill ({self._tree.shape}) or a "
                              f"depth-truncated prefix of it")
 
     # --- rounds -----------------------------------------------------------------------------------------------------
 
-    def _refeed(self, state: DecodeState, tree: TreeSpec) -> None:
+    def _refeed(self, state: DecodeState) -> None:
         """Write the K/V of positions ``[ring_end, root]`` into the ring: tokens committed since the last call + root.
 
-        A fixed count F of positions ending at the root, the older ones masked; F = min(max_depth + 1, W + 1)
-        covers the protocol's at most max_depth + 1 new tokens, and nothing older than W back is read again.
+        A fixed W + 1 positions ending at the root, those before ``ring_end`` masked: whatever the number of rounds
+        since the last call, every position the window still reaches is written, and nothing older than W back is
+        read again. (A drafter that proposed every round would need only max_depth + 1 of them; the fixed width
+        lets rounds that leave it out skip it entirely, for one [B, W + 1] K/V projection per call.)
         """
         cache, W = self.cache, self.draft.config.window
         r = state.seqlens.to(torch.int64)
-        F = min((state.max_depth if state.max_depth is not None else tree.depth) + 1, W + 1)
+        F = W + 1
         pos = r[:, None] - (F - 1) + torch.arange(F, device=r.device)  # [B, F], the root last
         committed = state.tokens.gather(1, pos.clamp(0, state.tokens.shape[1] - 1))
         ids = torch.where(pos == r[:, None], state.root[:, None], committed)
