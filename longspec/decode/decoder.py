@@ -270,7 +270,8 @@ class SpeculativeDecoder:
         temperature/top-k/top-p shape the target distribution and sampling is seed-exact when ``seed`` is set
         (else drawn from ``generator``). ``eos_token_id`` defaults to the model's generation config.
         ``streamer(tokens [B, A], counts [B])`` is called after the prefill and after every round with the tokens
-        each row emitted (it may sync the device; without it a round syncs once).
+        each row emitted (it may sync the device; without it a round reads from the device once, one round behind,
+        so the last call may carry no tokens: the round the host ran ahead on finished rows).
         """
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
