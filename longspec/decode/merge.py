@@ -116,7 +116,7 @@ def merge_trees(root: Tensor, trees: Sequence[Optional[DraftTree]], spec: TreeSp
 
 def _merge_all(root: Tensor, trees: Sequence[Optional[DraftTree]], spec: TreeSpec,
                layout: Optional[Sequence[Tensor]]) -> DraftTree:
-    """The general path of :func:`merge_trees`: lay every part out, then deduplicate level by level."""
+    """The general path of :func:`merge_trees`: lay every part out, then deduplicate (:func:`_dedup`)."""
     B, T, dev = root.shape[0], spec.num_nodes, root.device
     if layout is None:
         layout = [torch.tensor(n, dtype=torch.int64, device=dev) for n in spec.part_nodes()]
@@ -124,6 +124,7 @@ def _merge_all(root: Tensor, trees: Sequence[Optional[DraftTree]], spec: TreeSpe
     parents = torch.zeros(B, T, dtype=torch.int64, device=dev)
     scores = torch.full((B, T), float("-inf"), device=dev)
     sources = torch.zeros(B, T, dtype=torch.int64, device=dev)
+    mask = torch.zeros(B, T, T, dtype=torch.bool, device=dev)
     parents[:, 0], scores[:, 0] = -1, 0.0
     for i, (tree, idx) in enumerate(zip(trees, layout)):
         if tree is None:
@@ -136,9 +137,10 @@ def _merge_all(root: Tensor, trees: Sequence[Optional[DraftTree]], spec: TreeSpe
         scores[:, inner] = (tree.scores[:, 1:].to(scores.dtype) if tree.scores is not None
                             else torch.zeros_like(scores[:, inner]))
         sources[:, inner] = torch.full_like(sources[:, inner], 1 << i)
-    _dedup(tokens, parents, scores, sources, spec, len(trees))
-    depths = spec.depth_tensor(dev).expand(B, T)
-    return DraftTree(tokens, parents, tree_mask_from_parents(parents, spec), depths, scores, sources)
+        mask[:, idx[:, None], idx[None, :]] = tree.mask  # the parts share the root; nothing else
+    depths = spec.depth_tensor(dev)
+    parents, mask, scores, sources = _dedup(tokens, parents, mask, depths, spec.depth, scores, sources, len(trees))
+    return DraftTree(tokens, parents, mask, depths.expand(B, T), scores, sources)
 
 
 def _one_part(tree: DraftTree, spec: TreeSpec, part: int) -> DraftTree:
@@ -158,30 +160,36 @@ def _one_part(tree: DraftTree, spec: TreeSpec, part: int) -> DraftTree:
     return DraftTree(tree.tokens, tree.parents, mask, spec.depth_tensor(dev).expand(B, T), scores, sources)
 
 
-def _dedup(tokens: Tensor, parents: Tensor, scores: Tensor, sources: Tensor, spec: TreeSpec, parts: int) -> None:
-    """In place, level by level: a node whose (canonical parent, token) an earlier node of its level has is a
-    duplicate; its children move to that node, which takes its sources; its score becomes -inf."""
+def _dedup(tokens: Tensor, parents: Tensor, mask: Tensor, depths: Tensor, max_depth: int, scores: Tensor,
+           sources: Tensor, parts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Deduplicate a laid-out tree by path: a node whose token path from the root an earlier node has is a
+    duplicate; its children move to that node (its *twin*, the first node with the path), which takes its sources;
+    its score becomes -inf. All levels at once, from each node's path (the tokens of its ancestors by depth, read
+    off the ancestor mask), so the cost does not grow with the depth.
+
+    Args: tokens / parents / scores / sources ``[B, T]`` and the ancestor-or-self mask ``[B, T, T]`` of the laid-out
+    tree, depths int64 ``[T]`` (at most ``max_depth``). Returns the deduplicated ``(parents, mask, scores,
+    sources)``."""
     B, T = tokens.shape
-    canon = torch.arange(T, device=tokens.device).expand(B, T).clone()  # every node's surviving twin
-    for d in range(1, spec.depth + 1):
-        lo, hi = spec.offsets[d], spec.offsets[d + 1]
-        n = hi - lo
-        par = canon.gather(1, parents[:, lo:hi])
-        tok = tokens[:, lo:hi]
-        same = (par[:, :, None] == par[:, None, :]) & (tok[:, :, None] == tok[:, None, :])
-        same &= torch.ones(n, n, dtype=torch.bool, device=tokens.device).tril()  # [k, j]: j <= k
-        first = same.to(torch.int8).argmax(dim=-1)  # [B, n]: the first node with k's path (k itself if none)
-        canon[:, lo:hi] = lo + first
-        parents[:, lo:hi] = par
-        twin = first[:, :, None] == torch.arange(n, device=tokens.device)  # [B, k, j]: k's path is j's
-        src = sources[:, lo:hi]
-        merged = torch.zeros_like(src)
-        for i in range(parts):
-            has = (src >> i) & 1
-            merged |= (twin & (has[:, :, None] == 1)).any(dim=1).long() << i
-        sources[:, lo:hi] = merged
-        dup = first != torch.arange(n, device=tokens.device)
-        scores[:, lo:hi] = torch.where(dup, float("-inf"), scores[:, lo:hi])
+    dev = tokens.device
+    node = torch.arange(T, device=dev)
+    at_depth = depths[None, :] == torch.arange(max_depth + 1, device=dev)[:, None]  # [D + 1, T]
+    # path[b, i, d]: the token of i's depth-d ancestor (0 past i's depth, where equal depths agree anyway)
+    path = (torch.where(mask, tokens[:, None, :], 0)[:, :, None, :] * at_depth).sum(dim=-1)  # [B, T, D+1]
+    same = (path[:, :, None, :] == path[:, None, :, :]).all(dim=-1)  # [B, k, j]
+    same &= (depths[:, None] == depths[None, :]) & (node[None, :] <= node[:, None])
+    first = same.to(torch.int8).argmax(dim=-1)  # [B, T]: k's twin (k itself if none is earlier)
+    parents = torch.where(parents >= 0, first.gather(1, parents.clamp(min=0)), parents)
+    twin = first[:, :, None] == node  # [B, k, j]: j is k's twin
+    merged = torch.zeros_like(sources)
+    for i in range(parts):
+        has = ((sources >> i) & 1) == 1
+        merged |= (twin & has[:, :, None]).any(dim=1).long() << i
+    dup = first != node
+    # k's ancestors after the move: itself, then its strict ancestors' twins
+    eye = node[:, None] == node[None, :]
+    mask = torch.bmm((mask & ~eye).float(), twin.float()) > 0.5
+    return parents, mask | eye, torch.where(dup, float("-inf"), scores), merged
 
 
 __all__ = ["MergedDrafter", "merge_trees"]

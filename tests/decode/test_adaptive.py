@@ -7,6 +7,7 @@ check live in ``test_verify``; the rows here differ in shape, which the fixed-tr
 from __future__ import annotations
 
 import functools
+import itertools
 
 import pytest
 import torch
@@ -363,6 +364,56 @@ def test_single_part_merge_is_the_general_merge(part_shapes):
     fast, general = merge_trees(root, trees, spec), _merge_all(root, trees, spec, None)
     for name in ("tokens", "parents", "mask", "depths", "scores", "sources"):
         assert torch.equal(getattr(fast, name), getattr(general, name)), name
+
+
+def level_merge(root: torch.Tensor, trees, spec: TreeSpec) -> DraftTree:
+    """merge_trees's general path as it was first written (deduplicated level by level through canonical parents),
+    the reference for the path-based version."""
+    B, T = root.shape[0], spec.num_nodes
+    tokens = root[:, None].expand(B, T).clone()
+    parents = torch.zeros(B, T, dtype=torch.int64)
+    scores = torch.full((B, T), float("-inf"))
+    sources = torch.zeros(B, T, dtype=torch.int64)
+    parents[:, 0], scores[:, 0] = -1, 0.0
+    for i, (tree, nodes) in enumerate(zip(trees, spec.part_nodes())):
+        idx = torch.tensor(nodes)
+        tokens[:, idx[1:]] = tree.tokens[:, 1:]
+        parents[:, idx[1:]] = idx[tree.parents[:, 1:]]
+        scores[:, idx[1:]] = tree.scores[:, 1:]
+        sources[:, idx[1:]] = 1 << i
+    canon = torch.arange(T).expand(B, T).clone()
+    for d in range(1, spec.depth + 1):
+        lo, hi = spec.offsets[d], spec.offsets[d + 1]
+        n = hi - lo
+        par, tok = canon.gather(1, parents[:, lo:hi]), tokens[:, lo:hi]
+        same = (par[:, :, None] == par[:, None, :]) & (tok[:, :, None] == tok[:, None, :])
+        same &= torch.ones(n, n).tril().bool()
+        first = same.to(torch.int8).argmax(dim=-1)
+        canon[:, lo:hi], parents[:, lo:hi] = lo + first, par
+        twin = first[:, :, None] == torch.arange(n)
+        merged = torch.zeros(B, n, dtype=torch.int64)
+        for i in range(len(trees)):
+            merged |= (twin & ((sources[:, lo:hi, None] >> i) & 1 == 1)).any(dim=1).long() << i
+        sources[:, lo:hi] = merged
+        scores[:, lo:hi] = torch.where(first != torch.arange(n), float("-inf"), scores[:, lo:hi])
+    return DraftTree(tokens, parents, naive_mask(parents), spec.depth_tensor("cpu").expand(B, T), scores, sources)
+
+
+@pytest.mark.parametrize("part_shapes", [((2, 3), (1, 1, 1)), ((4, 16, 16), (1, 1)),
+                                         ((3, 5, 4), (2, 2, 2), (1, 1, 1, 1))])
+def test_path_dedup_is_the_level_by_level_dedup(part_shapes):
+    """merge_trees deduplicates all levels at once by token path; on random parts over a small vocabulary
+    (duplicates everywhere) every field equals the level-by-level reference's."""
+    spec = TreeSpec.merged(*part_shapes)
+    for seed, vocab in itertools.product(range(4), (2, 5)):
+        parts = [toy_pool(s, vocab, 3, seed=10 * seed + i) for i, s in enumerate(spec.part_specs())]
+        root = parts[0].tokens[:, 0]
+        for p in parts[1:]:
+            p.tokens[:, 0] = root
+        got, want = merge_trees(root, parts, spec), level_merge(root, parts, spec)
+        for name in ("tokens", "parents", "mask", "depths", "scores", "sources"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (seed, vocab, name)
+        assert (got.scores == float("-inf")).any(), "no duplicate exercised"
 
 
 def loop_shape(budget: AdaptiveBudget, stats, pool: DraftTree, index: int, active: torch.Tensor):
