@@ -13,7 +13,8 @@ adaptive row the mean nodes per round and the mean predicted vs realised tau.
 4-16-16-16-16 LongSpec tree cut to depth 3 or whole, pruned to 4..48 nodes or whole) come from
 :meth:`~longspec.SpeculativeDecoder.calibrate` at each context and batch, on targets of ``--proj-layers`` layers
 (the 32-layer cache at 128k x 16 rows would not fit), extrapolated linearly in the layer count to 32 (saved as a
-loadable :class:`~longspec.decode.budget.CostModel`, ``llama3_8b_costs.json``). Each option's expected tau comes
+loadable :class:`~longspec.decode.budget.CostModel`, ``llama3_8b_costs.json``; part (a)'s calibration is saved
+beside it as ``pair_costs.json``). Each option's expected tau comes
 from the shipped pair: a LongSpec decoder that verifies the whole tree every round while its acceptance statistics
 score every option (the per-round running expectation, averaged over the decode; T = 0; contexts above the pair's
 largest use the largest). Projected speedup over plain decoding = tau x plain round / option round; the adaptive
@@ -125,9 +126,10 @@ def decode_all(dec, prompts, new_tokens: int, temperature: float, device: str) -
 
 
 def bench_pair(pair, prompts_by_ctx, new_tokens: int, temperatures, device: str, tree: tuple,
-               on_rows=None) -> list[dict]:
+               on_rows=None) -> tuple[list[dict], CostModel]:
     """Every method at every (context, temperature), one decoder per method for the whole run (warmed up on the
-    largest context first, so its cache and graphs serve every prompt)."""
+    largest context first, so its cache and graphs serve every prompt). Returns the rows and the adaptive decoder's
+    calibrated costs (saved as ``pair_costs.json``, to replay its choices elsewhere)."""
     cuda = device.startswith("cuda")
     contexts = sorted(prompts_by_ctx)
     longest = prompts_by_ctx[contexts[-1]][0][0].to(device)
@@ -162,8 +164,9 @@ def bench_pair(pair, prompts_by_ctx, new_tokens: int, temperatures, device: str,
                       f"same={not diffs}", flush=True)
             if on_rows is not None:
                 on_rows(rows, meta)
+    costs = decoders[ADAPTIVE].budget.costs
     del decoders
-    return rows
+    return rows, costs
 
 
 def proj_budget(costs=None, explore_every: int = 32) -> AdaptiveBudget:
@@ -312,7 +315,7 @@ def main(argv=None) -> None:
                              "LongSpec tree and LongSpec chain at that context and T; `python -m "
                              "benchmarks.bench_adaptive`"])
 
-    bench_pair(pair, prompts, a.new_tokens, a.temperatures, a.device, tree, on_rows=write_pair)
+    _, pair_costs = bench_pair(pair, prompts, a.new_tokens, a.temperatures, a.device, tree, on_rows=write_pair)
     print(f"(a) done at {time.perf_counter() - t_start:.0f} s", flush=True)
     taus = option_taus(pair, prompts, a.new_tokens, a.device, tree)
     print(f"option taus done at {time.perf_counter() - t_start:.0f} s", flush=True)
@@ -330,6 +333,7 @@ def main(argv=None) -> None:
                             notes=["Projected: measured round costs (layers extrapolated to 32), expected tau of every "
                                    "option from the shipped pair's acceptance statistics (T = 0)."])
     costs.save(out_dir / "llama3_8b_costs.json")
+    pair_costs.save(out_dir / "pair_costs.json")  # the adaptive drafter's calibration on this device (part a)
     print(f"wrote {out_dir} in {time.perf_counter() - t_start:.0f} s", flush=True)
 
 

@@ -24,6 +24,11 @@ def test_adaptive_benchmark_smoke(tmp_path):
     assert all(r["identical_to_plain"] and r["tau"] >= 1.0 for r in rows), rows
     adaptive = [r for r in rows if r["method"] == "adaptive LongSpec+PLD"]
     assert all(r["nodes_per_round"] >= 1 and r["predicted_tau"] >= 1.0 for r in adaptive)
+    # the chosen options are counted, each a label whose draft cost the saved calibration holds
+    assert all(sum(r["options"].values()) >= 1 for r in adaptive)
+    pair_costs = CostModel.load(tmp_path / "pair_costs.json")  # part (a)'s calibration, to replay choices
+    assert set(pair_costs.verify) == {1} and all(k.rsplit("/", 1)[0] in pair_costs.draft[1] or k == "plain"
+                                                 for r in adaptive for k in r["options"])
     projection = json.loads((tmp_path / "adaptive_projection.json").read_text())["rows"]
     assert len(projection) == 4 and all(r["speedup_fixed69"] > 0 for r in projection)
     costs = CostModel.load(tmp_path / "llama3_8b_costs.json")
