@@ -466,7 +466,7 @@ class SpeculativeDecoder:
         committed length and every option's running expected tau for the next choice (into ``run``)."""
         state, stats = run.state, run.stats
         # under a budget: the report the round's tail wrote (_write_report), so no op runs eagerly here
-        values = state.active.float().sum()[None] if stats is None else run.report
+        values = state.active.any()[None] if stats is None else run.report
         event = None
         if values.is_cuda:
             host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
@@ -481,7 +481,7 @@ class SpeculativeDecoder:
                 event.synchronize()
             got = host.tolist()
             if stats is None:
-                return got[0] > 0
+                return bool(got[0])
             B, K = state.root.shape[0], len(stats.curve)
             active, lens = got[:B], got[B: 2 * B]
             n = sum(active)

@@ -479,3 +479,10 @@ def test_batched_shape_matches_the_loop(label):
         torch.testing.assert_close(new.curve, ref.curve)
         assert torch.equal(new.seen, ref.seen) and new.seen.sum() >= 2
         assert torch.equal(keys, new.keys(tree.depths, tree.scores, tree.sources))
+    # a round on finished rows only (the one generate runs ahead at its end) moves no curve and marks nothing seen
+    curve, seen = new.curve.clone(), new.seen.clone()
+    budget.shape(new, pool, index, torch.zeros(3, dtype=torch.bool))
+    assert torch.equal(new.curve, curve) and torch.equal(new.seen, seen)
+    fresh = AcceptanceStats(2, spec.depth, len(budget.options), torch.device("cpu"))
+    budget.shape(fresh, pool, index, torch.zeros(3, dtype=torch.bool))
+    assert not fresh.seen.any() and (fresh.curve == 1.0).all()

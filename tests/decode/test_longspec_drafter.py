@@ -91,15 +91,18 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("sit_out", [0, 2])
 @pytest.mark.parametrize("kind,heads,rope,window,shape,lens,rounds", CASES)
-def test_tree_drafting_matches_dense_recomputation(kind, heads, rope, window, shape, lens, rounds):
+def test_tree_drafting_matches_dense_recomputation(kind, heads, rope, window, shape, lens, rounds, sit_out):
+    """``sit_out``: rounds committed between two proposes without calling the drafter (a merged drafter's part
+    that sits out: up to 2 x (depth + 1) tokens, more than a small window holds); its next propose catches up."""
     target = tiny_target(kind, heads, rope=rope)
     draft = LongSpecDraft.from_target(target, window=window)
     randomize(draft)
     spec = TreeSpec(shape)
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 160, (n,), generator=g).tolist() for n in lens]
-    state = make_state(target, prompts, max(lens) + rounds * (spec.depth + 1) + 4, seed=11)
+    state = make_state(target, prompts, max(lens) + (1 + sit_out) * rounds * (spec.depth + 1) + 4, seed=11)
     drafter = LongSpecDrafter(draft)
     assert isinstance(drafter, Drafter)
     drafter.prefill(state, spec)
@@ -122,7 +125,8 @@ def test_tree_drafting_matches_dense_recomputation(kind, heads, rope, window, sh
             torch.testing.assert_close(got[b], want[:inner], atol=2e-4, rtol=1e-4)
             tokens, parents = beam_select(want, tree, b, spec.shape, spec.offsets)
             assert tree.tokens[b, 1:].tolist() == tokens and tree.parents[b, 1:].tolist() == parents
-        commit_random_path(state, tree, g)
+        for _ in range(1 + sit_out):
+            commit_random_path(state, tree, g)
 
 
 @pytest.mark.parametrize("which", ["longspec", "pld", "streaming"])
