@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -87,28 +87,47 @@ def _combine(h, key):
     return _mix32(((key ^ h) + _GOLDEN) & _MASK32)  # key first: it may be the tensor when h is an int
 
 
-def seed_words(seed: int, device: torch.device | str | None = None) -> Tensor:
-    """A seed in ``[0, 2**64)`` as int64 ``[2]`` (its low and high 32-bit words): the form in which
-    :func:`gumbel_noise` takes it as data, so that a compiled or captured caller need not bake the value in."""
-    return torch.tensor([seed & _MASK32, (seed >> 32) & _MASK32], dtype=torch.int64, device=device)
+class NoiseKey(NamedTuple):
+    """A seed as data, the form in which :func:`gumbel_noise` takes it inside compiled or captured code (so the
+    value is not baked in): ``words`` int64 ``[2]`` (the seed's low and high 32-bit words) and ``tokens`` int64
+    ``[V]``, every token id's hash. The token hashes are computed eagerly here: Inductor indexes ``arange(V)`` in
+    int32 and cannot add the hash's 32-bit constant to it (torch 2.11: "Scalar 2654435769 is out of range for type
+    int32"), so compiled code only combines them."""
+
+    words: Tensor
+    tokens: Tensor
 
 
-def gumbel_noise(seed: int | Tensor, rows: Tensor, positions: Tensor, vocab_size: int) -> Tensor:
+def _token_hashes(vocab_size: int, device: torch.device | str | None) -> Tensor:
+    return _mix32((torch.arange(vocab_size, device=device, dtype=torch.int64) + _GOLDEN) & _MASK32)
+
+
+def noise_key(seed: int, vocab_size: int, device: torch.device | str | None = None) -> NoiseKey:
+    """``seed`` in ``[0, 2**64)`` as a :class:`NoiseKey` for a ``vocab_size``-token vocabulary."""
+    words = torch.tensor([seed & _MASK32, (seed >> 32) & _MASK32], dtype=torch.int64, device=device)
+    return NoiseKey(words, _token_hashes(vocab_size, device))
+
+
+def gumbel_noise(seed: int | NoiseKey, rows: Tensor, positions: Tensor, vocab_size: int) -> Tensor:
     """Counter-based Gumbel noise, float32 ``[B, P, V]``, keyed by (seed, rows[b], positions[b, p], token).
 
     Args:
-        seed: int in ``[0, 2**64)``, or its :func:`seed_words` (the same noise).
+        seed: int in ``[0, 2**64)``, or its :func:`noise_key` (the same noise; its ``tokens`` must have
+            ``vocab_size`` entries).
         rows: int64 ``[B]`` request ids (the batch row in the caller's input).
         positions: int64 ``[B, P]`` absolute positions of the tokens being sampled.
 
     The same key gives the same value on any device and in any batch composition; 24 bits per uniform, so the
     uniforms are exact in float32 and lie strictly inside (0, 1).
     """
-    lo, hi = (seed[0], seed[1]) if isinstance(seed, Tensor) else (seed & _MASK32, (seed >> 32) & _MASK32)
+    if isinstance(seed, NoiseKey):
+        (lo, hi), tok = seed.words, seed.tokens
+    else:
+        lo, hi = seed & _MASK32, (seed >> 32) & _MASK32
+        tok = _token_hashes(vocab_size, positions.device)
     h = _combine(_combine(0x243F6A88, lo), hi)
     h = _combine(h, rows.to(torch.int64) & _MASK32)  # [B]
     h = _combine(h[:, None], positions.to(torch.int64) & _MASK32)  # [B, P]
-    tok = _mix32((torch.arange(vocab_size, device=positions.device, dtype=torch.int64) + _GOLDEN) & _MASK32)
     bits = _combine(h[:, :, None], tok) >> 8  # [B, P, V], 24 bits
     u = (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
     return -torch.log(-torch.log(u))
@@ -126,7 +145,7 @@ def sample_tokens(
     generator: Optional[torch.Generator] = None,
     position_index: Optional[Tensor] = None,
     rows: Optional[Tensor] = None,
-    seed: Optional[Tensor] = None,
+    seed: Optional[NoiseKey] = None,
 ) -> Tensor:
     """Draw one token per ``[B, M]`` distribution from target logits ``[B, M, V]``; returns int64 ``[B, M]``.
 
@@ -137,7 +156,7 @@ def sample_tokens(
             noise vectors per row).
         generator: the noise source when ``params.seed`` is None.
         rows: int64 ``[B]`` request ids for the seeded noise; default ``arange(B)``.
-        seed: ``params.seed`` as :func:`seed_words` (used instead of its value when ``params.seed`` is set), so
+        seed: ``params.seed`` as :func:`noise_key` (used instead of its value when ``params.seed`` is set), so
             one compiled graph serves every seed.
 
     Greedy (``temperature < 1e-5``) is ``argmax`` of the raw logits (lowest index on ties).

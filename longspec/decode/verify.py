@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from .drafter import TreeSpec
-from .sampling import SamplingParams, sample_tokens
+from .sampling import NoiseKey, SamplingParams, sample_tokens
 
 
 @dataclass
@@ -42,7 +42,7 @@ def node_draws(
     seqlens: Tensor,
     depths: Tensor | TreeSpec,
     generator: Optional[torch.Generator] = None,
-    seed: Optional[Tensor] = None,
+    seed: Optional[NoiseKey] = None,
     max_depth: Optional[int] = None,
 ) -> Tensor:
     """y ~ p at every node: int64 ``[B, T]`` from target logits ``[B, T, V]``.

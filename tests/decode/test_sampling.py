@@ -6,7 +6,7 @@ import torch
 from scipy.stats import kstest
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from longspec.decode.sampling import SamplingParams, gumbel_noise, process_logits, sample_tokens
+from longspec.decode.sampling import SamplingParams, gumbel_noise, noise_key, process_logits, sample_tokens
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.8), (0.5, 20, 0.9)])
@@ -44,6 +44,9 @@ def test_gumbel_noise_is_keyed_not_stateful():
     assert not torch.equal(a, gumbel_noise(124, rows, pos, 64))  # seeds differ
     assert not torch.equal(a, gumbel_noise(123 + 2**32, rows, pos, 64))  # high seed bits count
     assert torch.isfinite(a).all()
+    # the seed as data (what compiled tails take) is the same noise
+    assert torch.equal(a, gumbel_noise(noise_key(123, 64), rows, pos, 64))
+    assert torch.equal(gumbel_noise(2**63 + 5, rows, pos, 64), gumbel_noise(noise_key(2**63 + 5, 64), rows, pos, 64))
 
 
 def test_gumbel_noise_is_gumbel_distributed():
