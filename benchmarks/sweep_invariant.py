@@ -45,6 +45,28 @@ def _configs() -> dict[str, object]:
         "N128 K128": r(base, linear_block_n=128, linear_block_k=128),
         "N128 K128 w8 s4": r(base, linear_block_n=128, linear_block_k=128, linear_warps=8, linear_stages=4),
         "M16 N64 K128": r(base, linear_block_m=16, linear_block_k=128),
+        "M128 w8": r(base, linear_block_m=128, linear_warps=8),
+        "M128 w8 s4": r(base, linear_block_m=128, linear_warps=8, linear_stages=4),
+        "N32 K128": r(base, linear_block_n=32, linear_block_k=128),
+    }
+
+
+def _attn_configs() -> dict[str, object]:
+    from longspec_ops.kernels.invariant_launch import invariant_config
+
+    base = invariant_config(torch.bfloat16)
+    r = dataclasses.replace
+    return {
+        "default": base,
+        "stages 3": r(base, attn_stages=3),
+        "split 1024": r(base, split=1024),
+        "split 1024 stages 3": r(base, split=1024, attn_stages=3),
+        "N128": r(base, attn_block_n=128),
+        "N128 w8": r(base, attn_block_n=128, attn_warps=8),
+        "N128 stages 3": r(base, attn_block_n=128, attn_stages=3),
+        "M128 w8": r(base, attn_block_m=128, attn_warps=8),
+        "M128 N128 w8": r(base, attn_block_m=128, attn_block_n=128, attn_warps=8),
+        "merge R4 D64": r(base, merge_block_r=4, merge_block_d=64),
     }
 
 
@@ -99,9 +121,10 @@ def forward_sums(rows: list[dict]) -> list[dict]:
     return out
 
 
-def sweep_attention(timer) -> list[dict]:
+def sweep_attention(timer, configs: dict) -> list[dict]:
     from longspec.model.invariant import tree_ancestors
     from longspec.testing import beam_tree_mask
+    from longspec_ops.kernels.invariant_launch import invariant_attn
 
     g = torch.Generator("cuda").manual_seed(1)
     N, scale = CONTEXT, D ** -0.5
@@ -123,14 +146,24 @@ def sweep_attention(timer) -> list[dict]:
             anc, depths = tree_ancestors(mask)
             fast_label = "longspec::hybrid_tree_attn"
             fast = lambda q=q: torch.ops.longspec.hybrid_tree_attn(q, k, v, seqlens, k[:, N:], v[:, N:], mask, scale)
-        inv = lambda q=q, anc=anc, depths=depths: torch.ops.longspec.invariant_attn(q, k, v, seqlens, anc, depths,
-                                                                                   scale)
-        fast_us, inv_us = timer.graph_us(fast), timer.graph_us(inv)
-        for label, us in ((fast_label, fast_us), ("longspec::invariant_attn", inv_us)):
+        fast_us = timer.graph_us(fast)
+        rows.append({"part": "attention per layer", "shape": f"32k, Hq {HQ}, Hkv {HKV}, D {D}", "M": M,
+                     "impl": fast_label, "split_k": "", "us": round(fast_us, 1), "x fast": 1.0,
+                     "x32 layers us": round(fast_us * LAYERS, 1)})
+        for label, cfg in configs.items():
+            inv = lambda q=q, anc=anc, depths=depths, cfg=cfg: invariant_attn(q, k, v, seqlens, anc, depths, scale,
+                                                                             config=cfg)
+            try:
+                us = timer.graph_us(inv)
+            except Exception as e:  # a config Triton cannot compile (shared memory, registers)
+                rows.append({"part": "attention per layer", "shape": f"32k, Hq {HQ}, Hkv {HKV}, D {D}", "M": M,
+                             "impl": f"invariant_attn {label}", "error": str(e)[:120]})
+                continue
             rows.append({"part": "attention per layer", "shape": f"32k, Hq {HQ}, Hkv {HKV}, D {D}", "M": M,
-                         "impl": label, "split_k": "", "us": round(us, 1), "x fast": round(us / fast_us, 2),
-                         "x32 layers us": round(us * LAYERS, 1)})
-        print(*(f"attention M={r['M']} {r['impl']}: {r['us']}" for r in rows[-2:]), sep="\n", flush=True)
+                         "impl": f"invariant_attn {label}", "split_k": "", "us": round(us, 1),
+                         "x fast": round(us / fast_us, 2), "x32 layers us": round(us * LAYERS, 1)})
+        print(*(f"attention M={r['M']} {r['impl']}: {r.get('us', r.get('error'))}"
+                for r in rows[-1 - len(configs):]), sep="\n", flush=True)
     return rows
 
 
@@ -139,6 +172,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT"), help="default: benchmarks/results/<gpu>/")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--no-attention", action="store_true")
+    ap.add_argument("--no-linears", action="store_true")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks.sweep_invariant needs a CUDA GPU (it times Triton kernels against cuBLAS); "
@@ -149,14 +183,15 @@ def main() -> None:
 
     t0 = time.perf_counter()
     timer = Timer(reps=args.reps, warmup=3)
-    configs = _configs()
-    rows = sweep_linears(timer, configs)
-    sums = forward_sums(rows)
-    attn = [] if args.no_attention else sweep_attention(timer)
+    configs, attn_configs = _configs(), _attn_configs()  # both built first: a bad config fails before any timing
+    attn = [] if args.no_attention else sweep_attention(timer, attn_configs)
+    rows = [] if args.no_linears else sweep_linears(timer, configs)
+    sums = forward_sums(rows) if rows else []
     print("\n== forward linears (32 layers + LM head)")
     for r in sums:
         print(f"  M={r['M']:3d} {r['us']:9.1f} us  x{r['x cuBLAS']:.2f}  {r['impl']}")
-    meta = {"configs": {k: repr(v) for k, v in configs.items()}, "seconds": round(time.perf_counter() - t0)}
+    meta = {"configs": {k: repr(v) for k, v in configs.items()},
+            "attention configs": {k: repr(v) for k, v in attn_configs.items()}, "seconds": round(time.perf_counter() - t0)}
     write_results("invariant_sweep", sums + attn + rows, args.out, title="Numerics.INVARIANT: linears and attention",
                   meta=meta,
                   notes=["bf16, Llama-3-8B shapes, CUDA-graph replay with a cold L2, median of "

@@ -21,7 +21,8 @@ and bf16 outputs part at near-ties. These kernels fix every reduction order inde
   ``tl.dot``); a block reaching past N is computed once per query with that query's keys by the *same* ``tl.dot``
   on the same tile shape, its rows selected afterwards. Both give a row the same bits (the dot is row-local), so a
   block's partial does not depend on whether decode or verify computed it, nor on which path. The splits of a row
-  are merged one at a time in ascending order by the same code for every launch; missing splits are exact no-ops.
+  are merged ``merge_block_s`` at a time by one fixed-shape reduction, those steps in ascending order, by the same
+  code for every launch; missing splits are exact no-ops.
 
 Every size that differs between decode and verify (M, the rows of a tile, the committed length) is a runtime value,
 never a constexpr, and is excluded from Triton's integer specialisation (``do_not_specialize``): a value of 1 would
@@ -196,43 +197,43 @@ def _invariant_split_kernel(
     v_base = V + b * stride_vb + hk * stride_vh
     n_queries = tl.minimum(QPT, M - pid_t * QPT)
 
-    for n0 in range(lo, hi, BLOCK_N):
+    # Blocks of committed rows only (n0 + BLOCK_N <= n_commit): the same keys for every query of the tile. A loop of
+    # its own, without branches, so Triton pipelines its loads; every key is visible to every real row (padding
+    # rows are never stored).
+    committed_end = tl.minimum(hi, (n_commit // BLOCK_N) * BLOCK_N)
+    for n0 in range(lo, committed_end, BLOCK_N):
+        pos = n0 + offs_n
+        k = tl.load(k_base + pos[:, None].to(tl.int64) * stride_kn + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+        v = tl.load(v_base + pos[:, None].to(tl.int64) * stride_vn + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        p, alpha, m_i, l_i = _softmax_weights(m_i, l_i, qk, qk_scale)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    # The blocks reaching past the committed rows: each query reads its own ancestors. One full-tile dot per query
+    # (the same instruction on the same tile shape as above), keeping that query's rows.
+    for n0 in range(tl.maximum(lo, committed_end), hi, BLOCK_N):
         pos = n0 + offs_n
         visible = pos[None, :] < len_r[:, None]
-        if n0 + BLOCK_N <= n_commit:
-            # Committed rows only: the same keys for every query of the tile.
-            kv_off = pos[:, None].to(tl.int64) * stride_kn + offs_d[None, :]
-            k = tl.load(k_base + kv_off, mask=d_ok[None, :], other=0.0)
-            v = tl.load(v_base + pos[:, None].to(tl.int64) * stride_vn + offs_d[None, :], mask=d_ok[None, :],
-                        other=0.0)
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            qk = tl.where(visible, qk, float("-inf"))
-            p, alpha, m_i, l_i = _softmax_weights(m_i, l_i, qk, qk_scale)
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        else:
-            # The block reaches past the committed rows: each query reads its own ancestors. One full-tile dot
-            # per query (the same instruction as above), keeping that query's rows.
-            qk = tl.full([BLOCK_M, BLOCK_N], float("-inf"), dtype=tl.float32)
-            for j in range(0, n_queries):
-                m_j = pid_t * QPT + j
-                depth_j = tl.load(DEPTHS + b * M + m_j)
-                rows_j, seen_j = _key_rows(pos, n_commit, ANC + (b * M + m_j) * A, depth_j, N)
-                k = tl.load(k_base + rows_j[:, None].to(tl.int64) * stride_kn + offs_d[None, :],
-                            mask=seen_j[:, None] & d_ok[None, :], other=0.0)
-                qk_j = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-                qk = tl.where((q_local == j)[:, None], qk_j, qk)
-            qk = tl.where(visible, qk, float("-inf"))
-            p, alpha, m_i, l_i = _softmax_weights(m_i, l_i, qk, qk_scale)
-            acc_in = acc * alpha[:, None]
-            acc = acc_in
-            for j in range(0, n_queries):
-                m_j = pid_t * QPT + j
-                depth_j = tl.load(DEPTHS + b * M + m_j)
-                rows_j, seen_j = _key_rows(pos, n_commit, ANC + (b * M + m_j) * A, depth_j, N)
-                v = tl.load(v_base + rows_j[:, None].to(tl.int64) * stride_vn + offs_d[None, :],
-                            mask=seen_j[:, None] & d_ok[None, :], other=0.0)
-                acc_j = tl.dot(p.to(v.dtype), v, acc_in, input_precision=DOT_PRECISION)
-                acc = tl.where((q_local == j)[:, None], acc_j, acc)
+        qk = tl.full([BLOCK_M, BLOCK_N], float("-inf"), dtype=tl.float32)
+        for j in range(0, n_queries):
+            m_j = pid_t * QPT + j
+            depth_j = tl.load(DEPTHS + b * M + m_j)
+            rows_j, seen_j = _key_rows(pos, n_commit, ANC + (b * M + m_j) * A, depth_j, N)
+            k = tl.load(k_base + rows_j[:, None].to(tl.int64) * stride_kn + offs_d[None, :],
+                        mask=seen_j[:, None] & d_ok[None, :], other=0.0)
+            qk_j = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            qk = tl.where((q_local == j)[:, None], qk_j, qk)
+        qk = tl.where(visible, qk, float("-inf"))
+        p, alpha, m_i, l_i = _softmax_weights(m_i, l_i, qk, qk_scale)
+        acc_in = acc * alpha[:, None]
+        acc = acc_in
+        for j in range(0, n_queries):
+            m_j = pid_t * QPT + j
+            depth_j = tl.load(DEPTHS + b * M + m_j)
+            rows_j, seen_j = _key_rows(pos, n_commit, ANC + (b * M + m_j) * A, depth_j, N)
+            v = tl.load(v_base + rows_j[:, None].to(tl.int64) * stride_vn + offs_d[None, :],
+                        mask=seen_j[:, None] & d_ok[None, :], other=0.0)
+            acc_j = tl.dot(p.to(v.dtype), v, acc_in, input_precision=DOT_PRECISION)
+            acc = tl.where((q_local == j)[:, None], acc_j, acc)
 
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
@@ -253,43 +254,52 @@ def _invariant_merge_kernel(
     OUT,  # (B, M, Hq, D) contiguous, Q's dtype
     LSE,  # (B, Hq, M) float32, natural log
     M, N, HKV, R, num_splits,
-    D: tl.constexpr, D_PAD: tl.constexpr, G: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr,
+    D: tl.constexpr, G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
+    # Program (r, d, bh): BLOCK_R rows x BLOCK_D of the head dimension. A row's splits are merged BLOCK_S at a time
+    # (chunk c holds splits [c * BLOCK_S, (c + 1) * BLOCK_S)), the chunks in ascending order; inside a chunk one
+    # fixed-shape reduction. Splits past a row's last are exact no-ops (weight 0, scale 1), so a row's result
+    # depends on its own splits only, never on its neighbours or on the launch.
     pid_r = tl.program_id(0)
-    bh = tl.program_id(1)
+    pid_d = tl.program_id(1)
+    bh = tl.program_id(2)
     b = (bh // HKV).to(tl.int64)
     hk = bh % HKV
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < R
     m_r = rows // G
-    offs_d = tl.arange(0, D_PAD)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
+    offs_s = tl.arange(0, BLOCK_S)
     n_commit = tl.minimum(tl.maximum(tl.load(SEQLENS + b), 0), N)
     depth_r = tl.load(DEPTHS + b * M + m_r, mask=row_ok, other=0)
     splits_r = tl.where(row_ok, tl.cdiv(n_commit + depth_r + 1, SPLIT), 0)
     ws = bh.to(tl.int64) * num_splits * R
 
-    # One split at a time, in ascending order, for every row: a row's result never depends on its neighbours.
     m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
-    acc = tl.zeros([BLOCK_R, D_PAD], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     den = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for s in range(0, tl.max(splits_r, 0)):
-        ok = s < splits_r
-        part = tl.load(WS_LSE + ws + s * R + rows, mask=ok, other=float("-inf"))
-        o = tl.load(WS_O + (ws + s * R + rows[:, None]) * D + offs_d[None, :], mask=ok[:, None] & d_ok[None, :],
-                    other=0.0)
-        m_new = tl.maximum(m, part)
+    for s0 in range(0, tl.max(splits_r, 0), BLOCK_S):
+        s = s0 + offs_s
+        ok = s[None, :] < splits_r[:, None]  # [R, S]
+        cell = ws + s[None, :].to(tl.int64) * R + rows[:, None]  # [R, S]
+        part = tl.load(WS_LSE + cell, mask=ok, other=float("-inf"))
+        o = tl.load(WS_O + cell[:, :, None] * D + offs_d[None, None, :], mask=ok[:, :, None] & d_ok[None, None, :],
+                    other=0.0)  # [R, S, BLOCK_D]
+        m_new = tl.maximum(m, tl.max(part, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_use)
-        w = tl.exp2(part - m_use)
-        acc = acc * alpha[:, None] + w[:, None] * o
-        den = den * alpha + w
+        w = tl.exp2(part - m_use[:, None])
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 1)
+        den = den * alpha + tl.sum(w, 1)
         m = m_new
     seen = den > 0.0
     den_safe = tl.where(seen, den, 1.0)
     out = acc / den_safe[:, None]
-    lse = tl.where(seen, (tl.where(seen, m, 0.0) + tl.log2(den_safe)) * _LN2, float("-inf"))
     h_r = hk * G + rows % G
     out_ptrs = OUT + b * (M * HKV * G * D) + (m_r[:, None] * (HKV * G * D) + h_r[:, None] * D + offs_d[None, :])
     tl.store(out_ptrs, out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(LSE + b * (HKV * G * M) + h_r * M + m_r, lse, mask=row_ok)
+    if pid_d == 0:
+        lse = tl.where(seen, (tl.where(seen, m, 0.0) + tl.log2(den_safe)) * _LN2, float("-inf"))
+        tl.store(LSE + b * (HKV * G * M) + h_r * M + m_r, lse, mask=row_ok)

@@ -34,7 +34,9 @@ class InvariantConfig:
             to the next power of two >= G when G is larger).
         attn_block_n: keys per block; ``split``: keys per KV split, a multiple of ``attn_block_n``. Split s covers
             absolute key positions ``[s * split, (s + 1) * split)`` in every launch.
-        attn_warps, attn_stages: launch options of the split kernel; ``merge_block_r``: rows per merge program.
+        attn_warps, attn_stages: launch options of the split kernel.
+        merge_block_r, merge_block_d: rows and head-dimension columns per merge program; ``merge_block_s``: splits
+            merged per step (one fixed-shape reduction; the steps in ascending order).
     """
 
     linear_block_m: int = 64
@@ -48,15 +50,21 @@ class InvariantConfig:
     attn_block_n: int = 64
     split: int = 2048
     attn_warps: int = 4
-    attn_stages: int = 2
+    attn_stages: int = 3
     merge_block_r: int = 16
+    merge_block_s: int = 16
+    merge_block_d: int = 32
 
     def __post_init__(self) -> None:
         for name in ("linear_block_m", "linear_block_n", "linear_block_k", "attn_block_m", "attn_block_n",
-                     "merge_block_r"):
+                     "merge_block_d"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"InvariantConfig.{name} must be a power of two >= 16, got {value}")
+        for name in ("merge_block_r", "merge_block_s"):
+            value = getattr(self, name)
+            if value < 2 or value & (value - 1):
+                raise ValueError(f"InvariantConfig.{name} must be a power of two >= 2, got {value}")
         if self.linear_split_waves < 0:
             raise ValueError(f"InvariantConfig.linear_split_waves must be >= 0, got {self.linear_split_waves}")
         if self.linear_split_k is not None and self.linear_split_k < 1:
@@ -70,7 +78,10 @@ class InvariantConfig:
 # takes small tiles. Split-K (linear_split_waves) fills the SMs at M = 1 for narrow outputs. Swept on the H200
 # (`python -m benchmarks.sweep_invariant`, results/h200/invariant_sweep.md): over Llama-3-8B's linears this default
 # sums to 1.18x / 1.41x cuBLAS at M = 1 / 69, the best of seven configs at M = 69 (16-row tiles were best at M = 1,
-# 1.03x, but 2.1x at M = 69; one config must serve both).
+# 1.03x, but 2.1x at M = 69; one config must serve both; 128-row tiles with 8 warps: 1.30x at M = 69 but 1.40x at
+# M = 1, invariant_sweep_linears_m128.log). Attention (`--no-linears`, invariant_attention_sweep.md): 3 stages over
+# 2048-key splits, 46 / 131 us per layer at M = 1 / 69 (32k; 2 stages 62 / 156, 1024-key splits 43 / 156, 128-key
+# blocks or 128-row tiles slower at M = 69).
 _CONFIGS = {
     True: InvariantConfig(),
     False: InvariantConfig(linear_block_m=32, linear_block_n=32, linear_block_k=32, linear_stages=2,
@@ -180,8 +191,10 @@ def invariant_attn(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: T
         D=D, D_PAD=D_PAD, G=G, QPT=qpt, BLOCK_M=block_m, BLOCK_N=cfg.attn_block_n, SPLIT=cfg.split,
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.attn_warps, num_stages=cfg.attn_stages,
     )
-    _invariant_merge_kernel[(_cdiv(R, cfg.merge_block_r), B * Hkv)](
+    block_d = min(cfg.merge_block_d, D_PAD)
+    _invariant_merge_kernel[(_cdiv(R, cfg.merge_block_r), _cdiv(D, block_d), B * Hkv)](
         ws_o, ws_lse, seqlens, dep, out, lse, M, N, Hkv, R, num_splits,
-        D=D, D_PAD=D_PAD, G=G, BLOCK_R=cfg.merge_block_r, SPLIT=cfg.split, num_warps=4,
+        D=D, G=G, BLOCK_R=cfg.merge_block_r, BLOCK_S=cfg.merge_block_s, BLOCK_D=block_d, SPLIT=cfg.split,
+        num_warps=4,
     )
     return out, lse

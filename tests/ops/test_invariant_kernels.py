@@ -25,9 +25,10 @@ from longspec_ops.reference import invariant as ref  # noqa: E402
 from .test_triton_kernels import DEVICE, INTERPRET, _check, _interpreter_loop_bounds  # noqa: E402,F401
 
 DTYPES = [torch.float16, torch.float32] + ([] if INTERPRET else [torch.bfloat16])
-# Small tiles and splits so that a short cache spans many splits and the trees cross split and block boundaries.
+# Small tiles and splits so that a short cache spans many splits and the trees cross split and block boundaries;
+# the merge takes 2 splits a step (rows end mid-step) and 16 of the head dimension's columns per program.
 SMALL = InvariantConfig(linear_block_m=16, linear_block_n=16, linear_block_k=16, attn_block_m=16, attn_block_n=16,
-                        split=32)
+                        split=32, merge_block_s=2, merge_block_d=16)
 
 
 @pytest.fixture
