@@ -53,7 +53,7 @@ from .budget import AcceptanceStats, AdaptiveBudget, CostModel, fit_line, root_t
 from .drafter import DecodeState, DraftTree, Drafter, TreeSpec
 from .graphs import CapturedCall, CapturedDraft
 from .prompt import Prompt, eos_ids, output_sequences, pad_id, prepare_prompt
-from .sampling import SamplingParams, sample_tokens, seed_words
+from .sampling import NoiseKey, SamplingParams, noise_key, sample_tokens
 from .stats import DecodeStats, PhaseTimer, accept_lengths, collect_stats
 from .tail import TAIL
 from .tree import complete_tree, prefix_tree_mask, tree_positions
@@ -87,13 +87,12 @@ class Numerics(enum.Enum):
           ancestors are committed. A token's logits inside a verify forward are then bitwise equal to plain
           decoding's (``drafter=None`` in this mode: the reference) for any tree, drafter and batch row, in bf16
           too, so the output equals plain decoding in this mode token for token. The prefill (identical for both)
-          stays FAST. ``compile=True`` does not compile the target's layers in this mode (Inductor would fuse the
-          elementwise work between the invariant ops, RoPE and the residual adds, differently from eager, and the
-          compiled engine would round differently from the uncompiled one); the drafter's ``propose`` and the
-          round's tail, which do not produce the target's logits, are still compiled. Cost (H200, bf16,
-          Llama-3-8B, 32k): decode 1.60x, verify 2.13x and a LongSpec round 1.81x the FAST mode's with
-          ``compile=True``, mostly the attention, then the uncompiled elementwise ops and the linears (``python -m
-          benchmarks.bench_step_latency --numerics both``, ``python -m benchmarks.sweep_invariant``).
+          stays FAST. ``compile=True`` compiles the target's layers around the invariant ops as in FAST mode;
+          Inductor's fused elementwise code (RoPE, SiLU * up, residual adds) rounds differently from eager's, so
+          the reference is then plain decoding in this mode *and* compile setting. Cost (H200, bf16, Llama-3-8B,
+          32k, ``compile=True``): decode 1.14x, verify 1.42x and a LongSpec round 1.31x the FAST mode's, mostly
+          the attention (46 / 131 us per layer at M = 1 / 69 against 38 / 87) and the linears at the verify width
+          (``python -m benchmarks.bench_step_latency --numerics both``, ``python -m benchmarks.sweep_invariant``).
           Needs ``KVUpdate.COMMIT`` and a target on one device (no tensor parallelism).
     """
 
@@ -138,7 +137,7 @@ class Run:
     draft_graphs: dict = field(default_factory=dict)  # option index (None: the fixed tree) -> CapturedDraft
     tails: dict = field(default_factory=dict)  # (tail name, nodes) -> this call's round tail as a CUDA graph
     dropped_capture_s: float = 0.0  # capture seconds of draft graphs dropped within the call (drafter re-prefilled)
-    seed: Optional[Tensor] = None  # int64 [2]: params.seed as data (seed_words), when seeded
+    seed: Optional[NoiseKey] = None  # params.seed as data (noise_key), when seeded
     # adaptive budget (SpeculativeDecoder(budget=...)): statistics, and what the last sync read for the choice
     stats: Optional[AcceptanceStats] = None
     report: Optional[Tensor] = None  # float32 [2B + 2K]: what the sync reads (_write_report), written by the tail
@@ -169,8 +168,7 @@ class SpeculativeDecoder:
         compile: ``torch.compile`` the target's decoder layers (:class:`~longspec.model.target.CompiledTarget`),
             the drafter's ``propose`` when it declares ``compilable = True`` (the LongSpec and prompt-lookup
             drafters do) and the round's tail. The first round of each new shape waits for the compile (seconds
-            per compiled function; torch.compile caches the results on disk, so later processes wait less). With
-            ``numerics=Numerics.INVARIANT`` the target's layers are not compiled (see :class:`Numerics`).
+            per compiled function; torch.compile caches the results on disk, so later processes wait less).
         prefill_chunk_size: prompt tokens per prefill forward (bounds prefill activation memory).
         max_cache_len: refuse requests needing more cache rows than this (prompt + max_new_tokens + scratch rows).
         kv_update: :class:`KVUpdate` strategy for the accepted path's K/V (COMMIT by default).
@@ -238,9 +236,7 @@ class SpeculativeDecoder:
         self._cache: Optional[StaticKVCache] = None
         self._graphs: dict[str, CapturedCall] = {}
         self.phase_times = bool(phase_times)
-        # INVARIANT: the target's layers stay eager (see Numerics): Inductor's fusions of the elementwise work between
-        # the invariant ops round differently from eager. The drafter and the tail do not make the target's logits.
-        self._compiled = CompiledTarget(target) if compile and numerics is not Numerics.INVARIANT else None
+        self._compiled = CompiledTarget(target) if compile else None
         self._propose_fn = drafter.propose if drafter is not None else None
         self._tail_fns = TAIL
         if compile:
@@ -333,7 +329,7 @@ class SpeculativeDecoder:
         zeros = torch.zeros(root.shape[0], dtype=torch.int64, device=root.device)
         run = Run(state, params, eos, max_new, zeros + 1, generator, pending=zeros.clone())
         if params.seed is not None:
-            run.seed = seed_words(params.seed, root.device)
+            run.seed = noise_key(params.seed, self.target.get_output_embeddings().weight.shape[0], root.device)
         if self.budget is not None:
             run.stats = self.budget.stats_for(sampling_key(params), root.device)
             run.report = torch.zeros(2 * root.shape[0] + 2 * len(run.stats.curve), device=root.device)
