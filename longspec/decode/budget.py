@@ -22,15 +22,13 @@ calibrated, below). Every option is a static shape, so each replays from its own
   does not depend on which other nodes the tree holds), so on a sub-tree the same draws follow the same path until
   it leaves the sub-tree, and the option realises 1 + the accepted path's nodes among its own (a prefix of the path:
   its kept set is ancestor-closed; a duplicate sibling it kept without the first one would count as rejected). A
-  mean of that realised tau per option, its samples' weights decayed every round (``REALISED_DECAY``), is what the
-  choice reads; a plain round realises exactly 1. An option the verified trees do not contain keeps its mean, and
-  the next round that contains it outweighs the stale samples.
+  running mean of that realised tau per option (``REALISED_RATE``) is what the choice reads; a plain round realises
+  exactly 1. Options the verified tree does not contain keep their estimate until a round contains them.
 * **Choice** (:meth:`AdaptiveBudget.choose`, on the host, once per round, from the values the round's one sync
   reads): the option with the highest realised tau per microsecond at the current committed length and batch, plain
-  rounds included. Every ``explore_every`` rounds it explores instead: alternately the cheapest option whose tree
-  surely contains the best one's (a larger budget of the same pool, or the whole of a larger pool: the options next
-  to the best) and the largest option, whose tree contains every option's (so that a drafter the chosen trees leave
-  out, e.g. prompt lookup while the LongSpec tree wins, is re-scored); the first round verifies the largest.
+  rounds included; every ``explore_every`` rounds the cheapest option whose tree surely contains the best one's (a
+  larger budget of the same pool, or the whole of a larger pool), so that the options next to the best are
+  re-scored; the first round verifies the largest option, which scores every option.
 
 Rows of a batch share the option (one forward) but not the tree: each row keeps its own best nodes. Nothing here
 changes what is emitted: every option is a tree verified by the same lossless rule.
@@ -57,9 +55,7 @@ SCORE_BUCKET = 0.75  # nats per draft-score bucket: bucket k holds log-probabili
 NUM_BUCKETS = 16  # the last bucket also takes everything below -11.25, -inf included
 PRIOR_WEIGHT = 4.0  # pseudo-count of the prior (the bucket's own probability) in each acceptance estimate
 DECAY = 1.0 - 1.0 / 2048  # per round: the counts forget rounds older than a few thousand
-# per round, the weight of every realised tau seen so far: an option scored every round weighs its newest round
-# 1 / 5 (1 - 0.8); one not scored for a while keeps its mean, and its next score outweighs the stale ones
-REALISED_DECAY = 0.8
+REALISED_RATE = 0.2  # weight of the newest round in an option's running realised tau
 
 
 @dataclass(frozen=True)
@@ -216,9 +212,9 @@ class AcceptanceStats:
     """Running acceptance counts by (sources, depth, score bucket), and every option's running realised tau.
 
     Device tensors, updated inside the captured draft and tail steps (no host sync): ``proposed`` / ``accepted``
-    float32 ``[S * (D + 1) * NUM_BUCKETS]`` (decayed counts; S = 2 ** parts); per option, float32 ``[options]``:
-    ``total`` and ``weight`` (the decayed sum of the taus it realised or would have realised, and of their
-    weights) and ``realised`` (their mean: 1 until the option is first scored).
+    float32 ``[S * (D + 1) * NUM_BUCKETS]`` (decayed counts; S = 2 ** parts), ``realised`` float32 ``[options]``
+    (running mean of the tau each option realised or would have realised; 1 until ``seen``), ``seen`` bool
+    ``[options]``.
     """
 
     def __init__(self, parts: int, max_depth: int, num_options: int, device: torch.device) -> None:
@@ -229,18 +225,12 @@ class AcceptanceStats:
         bucket = torch.arange(cells, device=device) % NUM_BUCKETS
         self.prior = torch.exp(-(bucket + 0.5) * SCORE_BUCKET)  # the draft's own probability, mid-bucket
         self.prior[bucket == NUM_BUCKETS - 1] = 0.0  # the catch-all bottom bucket: fillers, duplicates
-        self.total = torch.zeros(num_options, device=device)
-        self.weight = torch.zeros(num_options, device=device)
         self.realised = torch.ones(num_options, device=device)
-
-    @property
-    def seen(self) -> Tensor:
-        """bool ``[options]``: scored at least once."""
-        return self.weight > 0
+        self.seen = torch.zeros(num_options, dtype=torch.bool, device=device)
 
     def tensors(self) -> list[Tensor]:
         """What the draft and tail steps mutate (restored after their graph warm-up runs)."""
-        return [self.proposed, self.accepted, self.total, self.weight, self.realised]
+        return [self.proposed, self.accepted, self.realised, self.seen]
 
     def keys(self, depths: Tensor, scores: Tensor, sources: Tensor) -> Tensor:
         """int64 ``[B, T]`` table cells of the nodes (scores and sources as :meth:`AdaptiveBudget.shape` fills
@@ -271,7 +261,7 @@ class AcceptanceStats:
             within: float32 ``[B, T, K]``: 1 where verified node t is one of option k's kept nodes.
             contained: bool ``[K]``: option k's kept nodes all lie in the verified tree (in every active row); its
                 realised tau, 1 + the accepted path's nodes among them, averaged over the active rows, enters its
-                decayed mean.
+                running mean.
             accept_index, accept_len: the acceptance (:class:`~longspec.decode.verify.Acceptance`).
             active: bool ``[B]``.
         """
@@ -285,13 +275,10 @@ class AcceptanceStats:
         self.accepted.mul_(DECAY).index_add_(0, keys.reshape(-1), (weight * on_path).reshape(-1))
         rows = active.float() / active.float().sum().clamp(min=1.0)
         tau = torch.einsum("bt,btk,b->k", on_path, within, rows)  # the root counts: it is every option's
-        # a round on finished rows only (the one generate runs ahead at its end) scores and decays nothing
-        anyone = active.any()
-        update = (contained & anyone).float()
-        decay = torch.where(anyone, REALISED_DECAY, 1.0)
-        self.total.mul_(decay).add_(tau * update)
-        self.weight.mul_(decay).add_(update)
-        self.realised.copy_(torch.where(self.weight > 0, self.total / self.weight.clamp(min=1e-30), 1.0))
+        # a round on finished rows only (the one generate runs ahead at its end) scores nothing
+        update = contained & active.any()
+        self.realised.lerp_(tau, torch.where(self.seen, REALISED_RATE, 1.0) * update)
+        self.seen.logical_or_(update)
 
 
 # -- the policy -------------------------------------------------------------------------------------------------------
@@ -307,9 +294,8 @@ class AdaptiveBudget:
         depths: depth limits to grow pools to (the tree's full depth is always one).
         options: an explicit option list instead of ``budgets`` and ``depths`` (each option's spec must be a
             depth-truncated prefix of the decoder's tree or of one of its parts).
-        explore_every: every this many rounds explore: alternately verify the cheapest option whose tree surely
-            contains the best option's and the largest option (0: never; then options the chosen trees do not
-            contain keep their first estimates).
+        explore_every: every this many rounds verify the cheapest option whose tree surely contains the best
+            option's (0: never; then options the chosen trees do not contain keep their first estimates).
         cache_dir: where calibrations are kept (default ``$LONGSPEC_CACHE_DIR`` or ``~/.cache/longspec``).
 
     One instance serves one decoder (its statistics are that decoder's); pass it as
@@ -391,11 +377,11 @@ class AdaptiveBudget:
         return self._stats[key]
 
     def choose(self, context: float, batch: int, realised: Sequence[float], seen: Sequence[bool],
-               rounds_since_explore: int, explorations: int = 0) -> tuple[int, bool]:
+               rounds_since_explore: int) -> tuple[int, bool]:
         """``(option index, explored)`` for the next round (host): the best realised tau per microsecond among
         the options with an estimate (a plain round realises 1); the largest option on the first round; every
-        ``explore_every`` rounds instead (``explorations``: how many came before) the cheapest option whose tree
-        surely contains the best's, or after an odd count the largest (when either holds more than the best)."""
+        ``explore_every`` rounds instead the cheapest option whose tree surely contains the best's (when there is
+        one)."""
         if not any(seen):
             return self.largest, True
         if batch not in self._lines:  # each option's round cost a + b * context, looked up once per batch
@@ -407,8 +393,6 @@ class AdaptiveBudget:
                  for us, tau, ok, plain in zip(cost, realised, seen, self._plain)]
         best = max(range(len(rates)), key=rates.__getitem__)  # the first of equals
         if self.explore_every and rounds_since_explore >= self.explore_every and self._above[best]:
-            if explorations % 2 and self.largest in self._above[best]:
-                return self.largest, True
             return min(self._above[best], key=cost.__getitem__), True
         return best, False
 

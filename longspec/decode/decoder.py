@@ -146,7 +146,6 @@ class Run:
     realised: list = field(default_factory=list)  # each option's running realised tau
     seen: list = field(default_factory=list)  # whether it has one
     since_explore: int = 0  # rounds since the budget last explored
-    explorations: int = 0  # how many rounds it explored
     stale: bool = False  # the drafter sat out a round and has no observe(): prefill it before it drafts again
 
     @property
@@ -524,9 +523,8 @@ class SpeculativeDecoder:
         if self.budget is None:
             return None
         index, explored = self.budget.choose(run.context, run.state.root.shape[0], run.realised, run.seen,
-                                             run.since_explore, run.explorations)
+                                             run.since_explore)
         run.since_explore = 0 if explored else run.since_explore + 1
-        run.explorations += explored
         return index
 
     def _draft(self, run: Run, index: Optional[int]) -> tuple[DraftTree, Optional[Tensor], Optional[tuple]]:
@@ -707,9 +705,9 @@ def _check_numerics(numerics: Numerics, kv_update: KVUpdate, tp) -> None:
 
 def _write_report(run: Run) -> None:
     """What the next sync reads under a budget, in one float32 tensor: ``[active (B), seqlens (B), realised (K),
-    weight (K)]`` (written by the round's tail, inside its graph; a weight above 0: scored)."""
+    seen (K)]`` (written by the round's tail, inside its graph)."""
     state, stats = run.state, run.stats
-    torch.cat([state.active.float(), state.seqlens.float(), stats.realised, stats.weight], out=run.report)
+    torch.cat([state.active.float(), state.seqlens.float(), stats.realised, stats.seen.float()], out=run.report)
 
 
 def _check_drafter(target: torch.nn.Module, drafter: Optional[Drafter], kv_update: KVUpdate) -> None:
