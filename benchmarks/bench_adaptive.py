@@ -15,9 +15,9 @@ adaptive row the mean nodes per round and the mean predicted vs realised tau.
 (the 32-layer cache at 128k x 16 rows would not fit), extrapolated linearly in the layer count to 32 (saved as a
 loadable :class:`~longspec.decode.budget.CostModel`, ``llama3_8b_costs.json``; part (a)'s calibration is saved
 beside it as ``pair_costs.json``). Each option's expected tau comes
-from the shipped pair: a LongSpec decoder that verifies the whole tree every round while its acceptance statistics
-score every option (the per-round running expectation, averaged over the decode; T = 0; contexts above the pair's
-largest use the largest). Projected speedup over plain decoding = tau x plain round / option round; the adaptive
+from the shipped pair: a LongSpec decoder that verifies the whole tree every round, which contains every option, so
+every round scores every option by the tau it would have realised (the per-round running mean, averaged over the
+decode; T = 0; contexts above the pair's largest use the largest). Projected speedup over plain decoding = tau x plain round / option round; the adaptive
 budget picks the option :meth:`~longspec.AdaptiveBudget.choose` picks; the fixed row is the whole 69-node tree.
 
 Usage (GPU, about 6 minutes on one H200): ``python -m benchmarks.bench_adaptive --out RESULTS``.
@@ -174,11 +174,14 @@ def proj_budget(costs=None, explore_every: int = 32) -> AdaptiveBudget:
 
 
 def option_taus(pair, prompts_by_ctx, new_tokens: int, device: str, tree: tuple) -> dict[int, list[float]]:
-    """Per context: every projection option's expected tau on the shipped pair (T = 0), from a LongSpec decoder
-    that verifies the whole tree every round (its costs say so) while its statistics score every option."""
+    """Per context: every projection option's realised tau on the shipped pair (T = 0), from a LongSpec decoder
+    that verifies the whole tree every round (its costs say so), which scores every option the tree contains."""
     options = default_options(TreeSpec(tree), PROJ_BUDGETS, PROJ_DEPTHS)
-    # every tree option costs the same and plain rounds more, so the whole tree (the highest tau) is always chosen
-    flat = CostModel({1: {o.nodes: (2000.0 if o.spec is None else 1000.0, 0.0) for o in options}},
+    # the whole tree costs least and realises the most (it holds every option's nodes), plain rounds cost double, so
+    # the whole tree is always chosen, even where every option realised the same
+    whole = TreeSpec(tree).num_nodes
+    flat = CostModel({1: {o.nodes: (2000.0 if o.spec is None else 1000.0 + 1e-3 * (whole - o.nodes), 0.0)
+                          for o in options}},
                      {1: {o.draft_key: (0.0, 0.0) for o in options}})
     budget = proj_budget(flat, explore_every=0)
     dec = SpeculativeDecoder(pair.target, LongSpecDrafter(pair.draft), tree_shape=tree,
@@ -189,7 +192,7 @@ def option_taus(pair, prompts_by_ctx, new_tokens: int, device: str, tree: tuple)
 
         def streamer(emitted, kept):
             nonlocal total, rounds
-            curve = budget.stats_for(sampling_key(SamplingParams()), emitted.device).curve
+            curve = budget.stats_for(sampling_key(SamplingParams()), emitted.device).realised
             total = curve.clone() if total is None else total + curve
             rounds += 1
 
@@ -243,7 +246,7 @@ def project(costs: CostModel, taus: dict[int, list[float]], contexts, batches, t
         near = max([c for c in taus if c <= ctx] or [min(taus)])
         curve = taus[near]
         for batch in batches:
-            pick = budget.choose(ctx, batch, curve, [True] * len(options), 0)
+            pick, _ = budget.choose(ctx, batch, curve, [True] * len(options), 0)
             base = costs.round_us(options[plain], ctx, batch)
 
             def speedup(i: int) -> float:

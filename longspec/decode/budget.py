@@ -12,14 +12,23 @@ calibrated, below). Every option is a static shape, so each replays from its own
   :meth:`~longspec.decode.decoder.SpeculativeDecoder.calibrate` (a few timed steps on a synthetic cache) and cached
   on disk per device, dtype, model shape, tree and batch; or loaded from a file (e.g. one derived from the step
   benchmark's measurements).
-* **Yield** (:class:`AcceptanceStats`, one per decoder and sampling setting): counts of proposed and accepted nodes by
-  (drafter, depth, draft-score bucket), so a node's acceptance probability is estimated from what nodes like it did
-  (the draft's own probability is the prior). A node is ranked by that estimate capped by its ancestors' (so a
-  kept node's ancestors are kept), and an option's expected tau is 1 + the sum over its kept nodes. Every drafted
-  round updates a running mean of the expected tau of every option its pool contains.
+* **Ranking** (:class:`AcceptanceStats`, one per decoder and sampling setting): counts of proposed and accepted nodes
+  by (drafter, depth, draft-score bucket), so a node's acceptance probability is estimated from what nodes like it
+  did (the draft's own probability is the prior). Inside a pool, a node is ranked by that estimate capped by its
+  ancestors' (so a kept node's ancestors are kept): the option keeps its pool's best ``nodes``.
+* **Yield**: what each option *realised*, not what the counts predict. After a verified round, every option whose
+  kept nodes all lie in the verified tree is scored by the tau it would have realised: the verification walks the
+  tree with one target draw per node (the argmax at T = 0; at T > 0 a sample of the node's target distribution that
+  does not depend on which other nodes the tree holds), so on a sub-tree the same draws follow the same path until
+  it leaves the sub-tree, and the option realises 1 + the accepted path's nodes among its own (a prefix of the path:
+  its kept set is ancestor-closed; a duplicate sibling it kept without the first one would count as rejected). A
+  running mean of that realised tau per option (``REALISED_RATE``) is what the choice reads; a plain round realises
+  exactly 1. Options the verified tree does not contain keep their estimate until a round contains them.
 * **Choice** (:meth:`AdaptiveBudget.choose`, on the host, once per round, from the values the round's one sync
-  reads): the option with the highest expected tau per microsecond at the current committed length and batch; every
-  ``explore_every`` rounds the largest option instead, so that the statistics of deep, unlikely nodes stay current.
+  reads): the option with the highest realised tau per microsecond at the current committed length and batch, plain
+  rounds included; every ``explore_every`` rounds the cheapest option whose tree surely contains the best one's (a
+  larger budget of the same pool, or the whole of a larger pool), so that the options next to the best are
+  re-scored; the first round verifies the largest option, which scores every option.
 
 Rows of a batch share the option (one forward) but not the tree: each row keeps its own best nodes. Nothing here
 changes what is emitted: every option is a tree verified by the same lossless rule.
@@ -46,7 +55,7 @@ SCORE_BUCKET = 0.75  # nats per draft-score bucket: bucket k holds log-probabili
 NUM_BUCKETS = 16  # the last bucket also takes everything below -11.25, -inf included
 PRIOR_WEIGHT = 4.0  # pseudo-count of the prior (the bucket's own probability) in each acceptance estimate
 DECAY = 1.0 - 1.0 / 2048  # per round: the counts forget rounds older than a few thousand
-CURVE_RATE = 0.25  # weight of the newest round in the running expected tau of an option
+REALISED_RATE = 0.2  # weight of the newest round in an option's running realised tau
 
 
 @dataclass(frozen=True)
@@ -200,11 +209,12 @@ def cache_path(cache_dir: Optional[str | os.PathLike], key: dict) -> Path:
 
 
 class AcceptanceStats:
-    """Running acceptance counts by (sources, depth, score bucket) and every option's running expected tau.
+    """Running acceptance counts by (sources, depth, score bucket), and every option's running realised tau.
 
     Device tensors, updated inside the captured draft and tail steps (no host sync): ``proposed`` / ``accepted``
-    float32 ``[S * (D + 1) * NUM_BUCKETS]`` (decayed counts; S = 2 ** parts), ``curve`` float32 ``[options]`` (running
-    mean expected tau, 1 until ``seen``), ``seen`` bool ``[options]``.
+    float32 ``[S * (D + 1) * NUM_BUCKETS]`` (decayed counts; S = 2 ** parts), ``realised`` float32 ``[options]``
+    (running mean of the tau each option realised or would have realised; 1 until ``seen``), ``seen`` bool
+    ``[options]``.
     """
 
     def __init__(self, parts: int, max_depth: int, num_options: int, device: torch.device) -> None:
@@ -215,12 +225,12 @@ class AcceptanceStats:
         bucket = torch.arange(cells, device=device) % NUM_BUCKETS
         self.prior = torch.exp(-(bucket + 0.5) * SCORE_BUCKET)  # the draft's own probability, mid-bucket
         self.prior[bucket == NUM_BUCKETS - 1] = 0.0  # the catch-all bottom bucket: fillers, duplicates
-        self.curve = torch.ones(num_options, device=device)
+        self.realised = torch.ones(num_options, device=device)
         self.seen = torch.zeros(num_options, dtype=torch.bool, device=device)
 
     def tensors(self) -> list[Tensor]:
         """What the draft and tail steps mutate (restored after their graph warm-up runs)."""
-        return [self.proposed, self.accepted, self.curve, self.seen]
+        return [self.proposed, self.accepted, self.realised, self.seen]
 
     def keys(self, depths: Tensor, scores: Tensor, sources: Tensor) -> Tensor:
         """int64 ``[B, T]`` table cells of the nodes (scores and sources as :meth:`AdaptiveBudget.shape` fills
@@ -235,8 +245,26 @@ class AcceptanceStats:
         rate = torch.add(self.accepted, self.prior, alpha=PRIOR_WEIGHT) / (self.proposed + PRIOR_WEIGHT)
         return rate[keys]
 
-    def record(self, keys: Tensor, accept_index: Tensor, accept_len: Tensor, active: Tensor) -> None:
-        """Count a verified round: every non-root node of the active rows proposed, the accepted path's accepted."""
+    def blank(self, rows: int, nodes: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """``(within, contained)`` of a round that scores no option (a plain round): zeros ``[rows, nodes, K]`` and
+        False ``[K]``."""
+        K = self.realised.shape[0]
+        return torch.zeros(rows, nodes, K, device=device), torch.zeros(K, dtype=torch.bool, device=device)
+
+    def record(self, keys: Tensor, within: Tensor, contained: Tensor, accept_index: Tensor, accept_len: Tensor,
+               active: Tensor) -> None:
+        """Count a verified round and score the options it contains.
+
+        Args:
+            keys: int64 ``[B, T]`` the verified nodes' table cells: every non-root node of the active rows is
+                counted as proposed, the accepted path's as accepted.
+            within: float32 ``[B, T, K]``: 1 where verified node t is one of option k's kept nodes.
+            contained: bool ``[K]``: option k's kept nodes all lie in the verified tree (in every active row); its
+                realised tau, 1 + the accepted path's nodes among them, averaged over the active rows, enters its
+                running mean.
+            accept_index, accept_len: the acceptance (:class:`~longspec.decode.verify.Acceptance`).
+            active: bool ``[B]``.
+        """
         B, T = keys.shape
         col = torch.arange(accept_index.shape[1], device=keys.device)
         path = torch.where(col[None, :] < accept_len[:, None], accept_index, T)
@@ -245,13 +273,19 @@ class AcceptanceStats:
         weight[:, 0] = 0.0  # the root is the pending token, not a draft
         self.proposed.mul_(DECAY).index_add_(0, keys.reshape(-1), weight.reshape(-1))
         self.accepted.mul_(DECAY).index_add_(0, keys.reshape(-1), (weight * on_path).reshape(-1))
+        rows = active.float() / active.float().sum().clamp(min=1.0)
+        tau = torch.einsum("bt,btk,b->k", on_path, within, rows)  # the root counts: it is every option's
+        # a round on finished rows only (the one generate runs ahead at its end) scores nothing
+        update = contained & active.any()
+        self.realised.lerp_(tau, torch.where(self.seen, REALISED_RATE, 1.0) * update)
+        self.seen.logical_or_(update)
 
 
 # -- the policy -------------------------------------------------------------------------------------------------------
 
 
 class AdaptiveBudget:
-    """Each round, verify the option (:class:`BudgetOption`) with the highest expected tokens per second.
+    """Each round, verify the option (:class:`BudgetOption`) with the highest realised tokens per second.
 
     Args:
         costs: a :class:`CostModel` (or the path of one saved with :meth:`CostModel.save`); None: calibrate on the
@@ -260,8 +294,8 @@ class AdaptiveBudget:
         depths: depth limits to grow pools to (the tree's full depth is always one).
         options: an explicit option list instead of ``budgets`` and ``depths`` (each option's spec must be a
             depth-truncated prefix of the decoder's tree or of one of its parts).
-        explore_every: every this many rounds verify the largest option (0: never; then unused options keep their
-            first estimates).
+        explore_every: every this many rounds verify the cheapest option whose tree surely contains the best
+            option's (0: never; then options the chosen trees do not contain keep their first estimates).
         cache_dir: where calibrations are kept (default ``$LONGSPEC_CACHE_DIR`` or ``~/.cache/longspec``).
 
     One instance serves one decoder (its statistics are that decoder's); pass it as
@@ -307,6 +341,8 @@ class AdaptiveBudget:
         self.spec, self.options = spec, options
         self.largest = max(range(len(options)), key=lambda i: (options[i].nodes, -i))
         self._plain = [o.spec is None for o in options]
+        self._above = [[j for j, o in enumerate(options) if j != i and _surely_contains(o, options[i])]
+                       for i in range(len(options))]
         self._stats.clear()
         self._lines = {}
         self._pool_groups: dict[tuple, _PoolGroups] = {}  # (draft key, device) -> the options its pool estimates
@@ -340,63 +376,73 @@ class AdaptiveBudget:
             self._stats[key] = AcceptanceStats(parts, self.spec.depth, len(self.options), device)
         return self._stats[key]
 
-    def choose(self, context: float, batch: int, curve: Sequence[float], seen: Sequence[bool],
-               rounds_since_largest: int) -> int:
-        """The option index for the next round (host): the best expected tau per microsecond among the options
-        with an estimate, the largest option on the first round and every ``explore_every`` rounds."""
-        if not any(seen) or (self.explore_every and rounds_since_largest >= self.explore_every):
-            return self.largest
+    def choose(self, context: float, batch: int, realised: Sequence[float], seen: Sequence[bool],
+               rounds_since_explore: int) -> tuple[int, bool]:
+        """``(option index, explored)`` for the next round (host): the best realised tau per microsecond among
+        the options with an estimate (a plain round realises 1); the largest option on the first round; every
+        ``explore_every`` rounds instead the cheapest option whose tree surely contains the best's (when there is
+        one)."""
+        if not any(seen):
+            return self.largest, True
         if batch not in self._lines:  # each option's round cost a + b * context, looked up once per batch
             c = self.costs
             self._lines[batch] = [tuple(x + y for x, y in zip(c.verify[batch][o.nodes], c.draft[batch][o.draft_key]))
                                   for o in self.options]
-        rates = [(1.0 if plain else tau) / max(a + b * context, 1e-9) if plain or ok else -1.0
-                 for (a, b), tau, ok, plain in zip(self._lines[batch], curve, seen, self._plain)]
-        return max(range(len(rates)), key=rates.__getitem__)  # the first of equals
+        cost = [max(a + b * context, 1e-9) for a, b in self._lines[batch]]
+        rates = [(1.0 if plain else tau) / us if plain or ok else -1.0
+                 for us, tau, ok, plain in zip(cost, realised, seen, self._plain)]
+        best = max(range(len(rates)), key=rates.__getitem__)  # the first of equals
+        if self.explore_every and rounds_since_explore >= self.explore_every and self._above[best]:
+            return min(self._above[best], key=cost.__getitem__), True
+        return best, False
 
     # -- device steps (captured) --------------------------------------------------------------------------------------
 
     def shape(self, stats: AcceptanceStats, pool: DraftTree, index: int,
-              active: Tensor) -> tuple[DraftTree, Tensor, Tensor]:
-        """Prune a complete pool tree (grown for option ``index``) to the option's budget; update the running
-        expected tau of every option this pool contains. Returns ``(tree, predicted tau [], keys [B, nodes])``: the
-        expected tau of the kept tree averaged over the active rows, and the kept nodes' statistics cells (what the
-        tail records the round under).
+              active: Tensor) -> tuple[DraftTree, Tensor, tuple[Tensor, Tensor, Tensor]]:
+        """Prune a complete pool tree (grown for option ``index``) to the option's budget, and say which nodes of
+        the pruned tree every option this pool contains would have kept. Returns ``(tree, predicted tau [],
+        (keys [B, T], within [B, T, K], contained [K]))``: the option's running realised tau (what the choice was
+        made on), the kept nodes' statistics cells and the option scoring that :meth:`AcceptanceStats.record`
+        takes after the verify.
 
-        Every option the pool contains is scored at once: its nodes (the pool cut to the option's depth limit and
-        parts) ranked by estimate in one batched sort over ``[groups, B, P]``, one cumulative sum, one gather of
-        every option's expected tau and one indexed update of the curve (no Python scalar enters a device tensor:
-        the step runs inside a CUDA-graph capture)."""
+        Every option the pool contains (its nodes: the pool cut to the option's depth limit and parts) ranks them
+        by estimate in one batched stable sort over ``[groups, B, P]``; option m keeps the first ``nodes`` of its
+        group's ranking. No Python scalar enters a device tensor: the step runs inside a CUDA-graph capture."""
         option = self.options[index]
         groups = self._groups(option, pool.depths.device)
         depths = pool.depths
+        B, P = depths.shape
         # a single drafter's nodes are all part 0's (bit 0); a drafter without scores vouches for every node
         scores = torch.zeros(depths.shape, device=depths.device) if pool.scores is None else pool.scores
         sources = torch.ones_like(depths) if pool.sources is None else pool.sources
+        pool = dataclasses.replace(pool, scores=scores, sources=sources)
         keys = stats.keys(depths, scores, sources)
         p = stats.estimate(keys)
         p[:, 0] = 1.0  # the root: the bonus token, always emitted
-        # capped by every ancestor's: a node never ranks above its parent, so the kept set is ancestor-closed
+        # capped by every ancestor's: a node never ranks above its parent, so a kept set is ancestor-closed (the
+        # stable sort breaks ties by index, and parents come first)
         p = torch.where(pool.mask, p[:, None, :], 1.0).amin(dim=-1)
-        weight = active.float()
-        weight = weight / weight.sum().clamp(min=1.0)
         member = depths <= groups.depth  # [G, B, P]
         if groups.bits is not None:
             member &= ((sources & groups.bits) != 0) | (depths == 0)
-        ranked = torch.sort(torch.where(member, p, -1.0), dim=-1, descending=True).values.clamp(min=0)
-        taus = (ranked.cumsum(dim=-1) * weight[:, None]).sum(dim=1)  # [G, P]: expected tau of the best n + 1
-        tau = taus.reshape(-1)[groups.cells]  # [M]: every member option's
-        # a round on finished rows only (the one generate runs ahead at its end) learns nothing
-        anyone = active.any()
-        rate = torch.where(stats.seen[groups.members], CURVE_RATE, 1.0) * anyone
-        stats.curve.index_put_((groups.members,), torch.lerp(stats.curve[groups.members], tau, rate))
-        stats.seen.index_put_((groups.members,), stats.seen[groups.members] | anyone)
-        predicted = tau[groups.own[index]]
-        if option.nodes == depths.shape[1]:  # the whole pool: nothing to prune
-            return dataclasses.replace(pool, scores=scores, sources=sources), predicted, keys
-        kept = kept_nodes(p, option.nodes)
-        return select_nodes(dataclasses.replace(pool, scores=scores, sources=sources), kept), predicted, \
-            keys.gather(1, kept)
+        order = torch.sort(torch.where(member, p, -1.0), dim=-1, descending=True, stable=True).indices
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(P, device=order.device).expand_as(order))
+        if option.nodes == P:  # the whole pool: nothing to prune
+            kept, tree = torch.arange(P, device=order.device).expand(B, P), pool
+        else:
+            kept = order[groups.own[index]][:, : option.nodes].sort(dim=-1).values
+            tree = select_nodes(pool, kept)
+        # option m keeps its group's members ranked below its budget: which verified nodes those are, and whether
+        # the verified tree holds all of them
+        at = kept.expand(order.shape[0], -1, -1)  # [G, B, T]
+        mine = member.gather(-1, at)[groups.group] & (rank.gather(-1, at)[groups.group] < groups.budget)  # [M, B, T]
+        size = torch.minimum(member.sum(dim=-1)[groups.group], groups.budget[:, :, 0])  # [M, B]
+        whole = ((mine.sum(dim=-1) == size) | ~active).all(dim=-1)  # [M]
+        within, contained = stats.blank(B, kept.shape[1], depths.device)
+        within.index_copy_(2, groups.members, mine.permute(1, 2, 0).float())
+        contained.index_copy_(0, groups.members, whole)
+        return tree, stats.realised[index].clone(), (keys.gather(1, kept), within, contained)
 
     def _groups(self, drafted: BudgetOption, device: torch.device) -> "_PoolGroups":
         """The options whose pools lie inside ``drafted``'s, as index tensors on ``device`` (made on the first
@@ -413,7 +459,7 @@ class AdaptiveBudget:
                     if bits & ~theirs or any(len(p) > len(q) for p, q in zip(o.spec.parts, drafted.spec.parts)):
                         continue
                 groups.setdefault((o.spec.depth, bits), []).append((j, o.nodes))
-            self._pool_groups[key] = _PoolGroups.build(list(groups.items()), drafted.spec.num_nodes, device)
+            self._pool_groups[key] = _PoolGroups.build(list(groups.items()), device)
         return self._pool_groups[key]
 
 
@@ -424,33 +470,51 @@ class _PoolGroups:
     depth:   int64 ``[G, 1, 1]`` each group's depth limit.
     bits:    int64 ``[G, 1, 1]`` each group's part bitmask (None: a single drafter's tree).
     members: int64 ``[M]`` the option indices, group by group.
-    cells:   int64 ``[M]`` each member's expected tau in the flattened ``[G, P]`` table: ``g * P + nodes - 1``.
-    own:     option index -> its position in ``members``.
+    group:   int64 ``[M]`` each member's group.
+    budget:  int64 ``[M, 1, 1]`` each member's node budget.
+    own:     option index -> its group (a Python int).
     """
 
     depth: Tensor
     bits: Optional[Tensor]
     members: Tensor
-    cells: Tensor
+    group: Tensor
+    budget: Tensor
     own: dict[int, int]
 
     @classmethod
-    def build(cls, groups: list[tuple[tuple[int, Optional[int]], list[tuple[int, int]]]], pool_nodes: int,
+    def build(cls, groups: list[tuple[tuple[int, Optional[int]], list[tuple[int, int]]]],
               device: torch.device) -> "_PoolGroups":
         members = [(g, j, n) for g, (_, m) in enumerate(groups) for j, n in m]
 
-        def tensor(values, dtype=torch.int64):
-            return torch.tensor(values, dtype=dtype, device=device)
+        def tensor(values):
+            return torch.tensor(values, dtype=torch.int64, device=device)
 
         bits = [b for (_, b), _ in groups]
         return cls(tensor([d for (d, _), _ in groups])[:, None, None],
                    None if bits[0] is None else tensor(bits)[:, None, None],
-                   tensor([j for _, j, _ in members]), tensor([g * pool_nodes + n - 1 for g, _, n in members]),
-                   {j: i for i, (_, j, _) in enumerate(members)})
+                   tensor([j for _, j, _ in members]), tensor([g for g, _, _ in members]),
+                   tensor([n for _, _, n in members])[:, None, None], {j: g for g, j, _ in members})
 
 
 def _part_bits(spec: TreeSpec) -> int:
     return sum(1 << i for i, p in enumerate(spec.parts) if p)
+
+
+def _surely_contains(big: BudgetOption, small: BudgetOption) -> bool:
+    """Whether ``big``'s tree holds ``small``'s kept nodes whatever the estimates: every tree holds a plain round's
+    root; a larger budget of the same pool cut holds a smaller one's; a whole pool holds every option of a pool
+    cut inside it."""
+    if big.spec is None:
+        return False
+    if small.spec is None:
+        return True
+    if big.spec == small.spec:
+        return big.nodes >= small.nodes
+    inside = small.spec.depth <= big.spec.depth and (not big.spec.parts or (
+        _part_bits(small.spec) & ~_part_bits(big.spec) == 0
+        and all(len(p) <= len(q) for p, q in zip(small.spec.parts, big.spec.parts))))
+    return inside and big.nodes == big.spec.num_nodes
 
 
 def _check_option(option: BudgetOption, spec: TreeSpec) -> None:

@@ -132,7 +132,7 @@ class Run:
     pending: Tensor  # int64 [B] (REFEED) rows [seqlens - pending, seqlens) held by the last layer only
     history: list[Tensor] = field(default_factory=list)  # per round: int64 [B] tokens emitted
     nodes: list[int] = field(default_factory=list)  # per round: the verified tree's node count
-    predicted: list[Tensor] = field(default_factory=list)  # per drafted round under a budget: expected tau []
+    predicted: list[Tensor] = field(default_factory=list)  # per round under a budget: its option's realised tau []
     options: list[str] = field(default_factory=list)  # per round under a budget: the chosen option's label
     draft_graphs: dict = field(default_factory=dict)  # option index (None: the fixed tree) -> CapturedDraft
     tails: dict = field(default_factory=dict)  # (tail name, nodes) -> this call's round tail as a CUDA graph
@@ -142,9 +142,9 @@ class Run:
     stats: Optional[AcceptanceStats] = None
     report: Optional[Tensor] = None  # float32 [2B + 2K]: what the sync reads (_write_report), written by the tail
     context: float = 0.0  # mean committed length of the active rows
-    curve: list = field(default_factory=list)  # each option's running expected tau
+    realised: list = field(default_factory=list)  # each option's running realised tau
     seen: list = field(default_factory=list)  # whether it has one
-    since_largest: int = 0  # rounds since the largest option was verified
+    since_explore: int = 0  # rounds since the budget last explored
     stale: bool = False  # the drafter sat out a round and has no observe(): prefill it before it drafts again
 
     @property
@@ -332,7 +332,7 @@ class SpeculativeDecoder:
             run.seed = noise_key(params.seed, self.target.get_output_embeddings().weight.shape[0], root.device)
         if self.budget is not None:
             run.stats = self.budget.stats_for(sampling_key(params), root.device)
-            run.report = torch.zeros(2 * root.shape[0] + 2 * len(run.stats.curve), device=root.device)
+            run.report = torch.zeros(2 * root.shape[0] + 2 * len(run.stats.realised), device=root.device)
             _write_report(run)
         # the token buffer's width changes with every request: one dynamic dimension, not one compile per width
         torch._dynamo.maybe_mark_dynamic(tokens, 1)
@@ -459,7 +459,7 @@ class SpeculativeDecoder:
     def _read(self, run: Run) -> Callable[[], bool]:
         """Enqueue the round's one device-to-host read; the returned function waits for it and says whether any
         row is still active. Under a budget the same read (of the report the round's tail wrote) brings the
-        committed length and every option's running expected tau for the next choice (into ``run``)."""
+        committed length and every option's running realised tau for the next choice (into ``run``)."""
         state, stats = run.state, run.stats
         # under a budget: the report the round's tail wrote (_write_report), so no op runs eagerly here
         values = state.active.any()[None] if stats is None else run.report
@@ -478,11 +478,11 @@ class SpeculativeDecoder:
             got = host.tolist()
             if stats is None:
                 return bool(got[0])
-            B, K = state.root.shape[0], len(stats.curve)
+            B, K = state.root.shape[0], len(stats.realised)
             active, lens = got[:B], got[B: 2 * B]
             n = sum(active)
             run.context = sum(a * c for a, c in zip(active, lens)) / max(n, 1.0)
-            run.curve, run.seen = got[2 * B: 2 * B + K], [v > 0 for v in got[2 * B + K:]]
+            run.realised, run.seen = got[2 * B: 2 * B + K], [v > 0 for v in got[2 * B + K:]]
             return n > 0
 
         return wait
@@ -497,13 +497,13 @@ class SpeculativeDecoder:
         else:
             index = self._choose(run) if option is None else option
             with timer.phase("draft"):
-                draft, predicted, keys = self._draft(run, index)
+                draft, predicted, scoring = self._draft(run, index)
             with timer.phase("verify"):
                 logits = self._verify_logits(run, draft.tokens, draft.mask, draft.depths)
             with timer.phase("accept"):
                 inputs = (draft.tokens, draft.parents, draft.mask, draft.depths)
-                if keys is not None:  # under a budget: the nodes' statistics cells (AdaptiveBudget.shape)
-                    inputs += (keys,)
+                if scoring is not None:  # under a budget: what AcceptanceStats.record takes (AdaptiveBudget.shape)
+                    inputs += scoring
                 emitted, kept = self._tail(run, "accept", logits, *inputs)
             run.nodes.append(draft.tokens.shape[1])
             if index is not None:
@@ -518,14 +518,17 @@ class SpeculativeDecoder:
         """The budget's option for this round (None: the fixed tree), from what the last sync read."""
         if self.budget is None:
             return None
-        index = self.budget.choose(run.context, run.state.root.shape[0], run.curve, run.seen, run.since_largest)
-        run.since_largest = 0 if index == self.budget.largest else run.since_largest + 1
+        index, explored = self.budget.choose(run.context, run.state.root.shape[0], run.realised, run.seen,
+                                             run.since_explore)
+        run.since_explore = 0 if explored else run.since_explore + 1
         return index
 
-    def _draft(self, run: Run, index: Optional[int]) -> tuple[DraftTree, Optional[Tensor], Optional[Tensor]]:
-        """The round's complete tree (and, under a budget, its expected tau and its nodes' statistics cells
-        ``[B, T]``): the drafter's tree, or the budget's option ``index`` of it. Under CUDA graphs when enabled and the drafter offers ``graph_state``: one graph
-        per option, captured on its first round of each generate call."""
+    def _draft(self, run: Run, index: Optional[int]) -> tuple[DraftTree, Optional[Tensor], Optional[tuple]]:
+        """The round's complete tree, and under a budget its option's realised tau and what the tail's
+        :meth:`~longspec.decode.budget.AcceptanceStats.record` takes besides the acceptance (the nodes' statistics
+        cells and the option scoring, from :meth:`~longspec.decode.budget.AdaptiveBudget.shape`): the drafter's
+        tree, or the budget's option ``index`` of it. Under CUDA graphs when enabled and the drafter offers
+        ``graph_state``: one graph per option, captured on its first round of each generate call."""
         plain = index is not None and self.budget.options[index].spec is None
         if plain and not hasattr(self.drafter, "observe"):
             run.stale = True  # it will miss this round's tokens
@@ -541,16 +544,18 @@ class SpeculativeDecoder:
             run.draft_graphs[index] = CapturedDraft(fn, mutated)
         return run.draft_graphs[index]()
 
-    def _draft_body(self, run: Run, index: Optional[int]) -> tuple[DraftTree, Optional[Tensor], Optional[Tensor]]:
+    def _draft_body(self, run: Run, index: Optional[int]) -> tuple[DraftTree, Optional[Tensor], Optional[tuple]]:
         state = run.state
         if index is None:
             return complete_tree(self._propose_fn(state, self.tree), self.tree), None, None
         spec = self.budget.options[index].spec
-        if spec is None:  # a plain round: the root alone (recorded nowhere); the drafter only catches up
+        if spec is None:  # a plain round: the root alone (it scores no option); the drafter only catches up
             if hasattr(self.drafter, "observe"):
                 self.drafter.observe(state, self.tree)
             tree = root_tree(state.root)
-            return tree, torch.ones((), device=state.root.device), tree.depths
+            return tree, torch.ones((), device=state.root.device), (tree.depths,
+                                                                     *run.stats.blank(state.root.shape[0], 1,
+                                                                                      state.root.device))
         pool = complete_tree(self._propose_fn(state, spec), spec)
         return self.budget.shape(run.stats, pool, index, state.active)
 
@@ -593,7 +598,7 @@ class SpeculativeDecoder:
             run.seed)
         if accept_index is not None:
             if run.stats is not None:
-                run.stats.record(inputs[4], accept_index, accept_len, state.active)
+                run.stats.record(*inputs[4:], accept_index, accept_len, state.active)
             self._commit(run, accept_index, kept)
         fns["advance"](state.tokens, state.root, state.seqlens, run.generated, state.active, emitted, kept, finished)
         if run.report is not None:
@@ -695,10 +700,10 @@ def _check_numerics(numerics: Numerics, kv_update: KVUpdate, tp) -> None:
 
 
 def _write_report(run: Run) -> None:
-    """What the next sync reads under a budget, in one float32 tensor: ``[active (B), seqlens (B), curve (K), seen
-    (K)]`` (written by the round's tail, inside its graph)."""
+    """What the next sync reads under a budget, in one float32 tensor: ``[active (B), seqlens (B), realised (K),
+    seen (K)]`` (written by the round's tail, inside its graph)."""
     state, stats = run.state, run.stats
-    torch.cat([state.active.float(), state.seqlens.float(), stats.curve, stats.seen.float()], out=run.report)
+    torch.cat([state.active.float(), state.seqlens.float(), stats.realised, stats.seen.float()], out=run.report)
 
 
 def _check_drafter(target: torch.nn.Module, drafter: Optional[Drafter], kv_update: KVUpdate) -> None:

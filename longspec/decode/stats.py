@@ -25,8 +25,9 @@ class DecodeStats:
 
     Per round (speculative decoding): ``nodes_per_round`` (the verified tree's size: constant for a fixed tree,
     the budget's choice under an adaptive one, 1 for a plain round), ``realised_tau`` (tokens emitted per active
-    row) and, under an adaptive budget, ``predicted_tau`` (the expected tau the choice was made on) and
-    ``option_per_round`` (the chosen option's label, e.g. ``"plain"`` or ``"4-16-16|none/32"``).
+    row) and, under an adaptive budget, ``predicted_tau`` (the chosen option's running realised tau when it was
+    drafted: what the choice was made on) and ``option_per_round`` (the chosen option's label, e.g. ``"plain"`` or
+    ``"4-16-16|none/32"``).
     """
 
     rounds: int = 0

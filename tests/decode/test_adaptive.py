@@ -18,7 +18,7 @@ from longspec.decode.budget import BudgetOption, CostModel, default_options, fit
 from longspec.decode.drafter import DraftTree
 from longspec.decode.merge import merge_trees
 from longspec.decode.sampling import SamplingParams
-from longspec.decode.tree import complete_tree, prune_tree
+from longspec.decode.tree import complete_tree, prune_tree, select_nodes
 from longspec.decode.verify import accept_tree, node_draws
 
 from .test_tree import naive_mask, random_parents
@@ -29,9 +29,10 @@ NEW = 24
 FAMILY = "llama-gqa-d64"
 
 
-def unit_costs(options, batches=(1, 2), per_node: float = 1.0) -> CostModel:
-    """A cost model where a round costs ``10 + per_node * nodes`` us at any context (the draft is free)."""
-    verify = {b: {o.nodes: (10.0, 0.0) if o.nodes == 1 else (10.0 + per_node * o.nodes, 0.0) for o in options}
+def unit_costs(options, batches=(1, 2), per_node: float = 1.0, plain: float = 10.0) -> CostModel:
+    """A cost model where a round costs ``10 + per_node * nodes`` us at any context, a plain one ``plain`` (the
+    draft is free)."""
+    verify = {b: {o.nodes: (plain, 0.0) if o.nodes == 1 else (10.0 + per_node * o.nodes, 0.0) for o in options}
               for b in batches}
     draft = {b: {o.draft_key: (0.0, 0.0) for o in options} for b in batches}
     return CostModel(verify, draft, {"source": "test"})
@@ -210,14 +211,15 @@ def greedy_reference():
 
 @pytest.mark.parametrize("case", list(DRAFTERS))
 def test_adaptive_greedy_matches_transformers(case):
-    """Under a budget whose costs make it switch between options (and explore every 3 rounds), the output is
-    transformers' greedy decoding; the stats carry one entry per round."""
+    """Under a budget whose costs make it switch between options (and explore every 3 rounds; plain rounds cost
+    more than any tree, so it drafts), the output is transformers' greedy decoding; the stats carry one entry per
+    round."""
     target = tiny_target(FAMILY)
     make, shape = DRAFTERS[case]
     ids, mask, want, scores = greedy_reference()
     budget = AdaptiveBudget(explore_every=3, budgets=(2, 4, 8), depths=(2,))
     budget.costs = unit_costs(default_options(TreeSpec(shape) if isinstance(shape, tuple) else shape, (2, 4, 8), (2,)),
-                              per_node=0.3)
+                              per_node=0.3, plain=100.0)
     dec = SpeculativeDecoder(target, make(target), tree_shape=shape, budget=budget)
     out = dec.generate(ids, max_new_tokens=NEW, attention_mask=mask)
     assert_same_tokens(out.sequences, want, scores, start=ids.shape[1])
@@ -238,6 +240,24 @@ def forced_options(spec: TreeSpec) -> dict[str, BudgetOption]:
         "part1-only": BudgetOption(TreeSpec(spec.parts[1], ((),) + (spec.parts[1],)), 3),
         "whole": BudgetOption(spec, spec.num_nodes),
     }
+
+
+def test_adaptive_converges_to_plain_when_nothing_is_accepted():
+    """Prompt lookup on the tiny target accepts nothing here: after the opening rounds of the largest option (the
+    first two: the host chooses one round ahead), the budget verifies plain rounds, each ``explore_every``-th round
+    the cheapest tree that contains a plain round's root."""
+    target = tiny_target(FAMILY)
+    make, shape = DRAFTERS["pld"]
+    ids, mask, want, scores = greedy_reference()
+    budget = AdaptiveBudget(explore_every=3, budgets=(2, 4, 8), depths=(2,))
+    budget.costs = unit_costs(default_options(TreeSpec(shape), (2, 4, 8), (2,)), per_node=0.3)
+    out = SpeculativeDecoder(target, make(target), tree_shape=shape, budget=budget).generate(
+        ids, max_new_tokens=NEW, attention_mask=mask)
+    assert_same_tokens(out.sequences, want, scores, start=ids.shape[1])
+    chosen = out.stats.option_per_round
+    assert all(t == 1.0 for t in out.stats.realised_tau), "the fixture should accept nothing"
+    assert chosen[:2] == [budget.options[budget.largest].label] * 2
+    assert chosen[2:] == (["plain"] * 3 + ["3-3/2"]) * 5 + ["plain"]
 
 
 @pytest.mark.parametrize("option", ["plain", "depth2-pruned", "part1-only", "whole"])
@@ -286,16 +306,30 @@ def test_cost_model_fit_roundtrip_and_choice(tmp_path):
     costs.save(tmp_path / "c.json")
     budget.costs = CostModel.load(tmp_path / "c.json")
     assert budget.costs.to_json() == costs.to_json()
-    curve = [1.0, 1.2, 1.9, 1.3, 2.8, 3.2]
+    realised = [1.0, 1.2, 1.9, 1.3, 2.8, 3.2]
     seen = [True] * 6
+
+    def choose(context, realised=realised, seen=seen, since=0):
+        index, explored = budget.choose(context, 1, realised, seen, since)
+        return labels[index], explored
+
     # short context: the whole tree costs about as much as anything else and yields most
-    assert labels[budget.choose(100, 1, curve, seen, 0)] == "4-4/9"
+    assert choose(100) == ("4-4/9", False)
     # long context: its attention dominates; a smaller tree wins
-    assert labels[budget.choose(100_000, 1, curve, seen, 0)] == "4-4/8"
-    # nothing seen yet, or time to explore: the largest
-    assert budget.choose(100, 1, curve, [False] * 6, 0) == budget.largest
+    assert choose(100_000) == ("4-4/8", False)
+    # nothing seen yet: the largest, which scores every option
+    assert choose(100, seen=[False] * 6) == ("4-4/9", True)
+    # time to explore: the cheapest option whose tree surely holds the best's (4-4/8 -> 4-4/9; 4/2 -> 4/5, the
+    # whole depth-1 pool, not 4-4/2, whose two nodes may lie deeper)
     budget.explore_every = 4
-    assert budget.choose(100_000, 1, curve, seen, 4) == budget.largest
+    assert choose(100_000, since=3) == ("4-4/8", False)
+    assert choose(100_000, since=4) == ("4-4/9", True)
+    assert choose(100_000, realised=[1.0, 3.0, 1.0, 1.0, 1.0, 1.0], since=4) == ("4/5", True)
+    # nothing drafted pays: plain rounds (tau exactly 1), whose neighbour above is the cheapest tree
+    assert choose(100_000, realised=[1.0] * 6) == ("plain", False)
+    assert choose(100_000, realised=[1.0] * 6, since=4) == ("4/2", True)
+    # the largest has no tree above it: nothing to explore
+    assert choose(100, since=4) == ("4-4/9", False)
     with pytest.raises(ValueError, match="not a cost model"):
         CostModel.from_json({"verify": 3})
 
@@ -416,43 +450,46 @@ def test_path_dedup_is_the_level_by_level_dedup(part_shapes):
         assert (got.scores == float("-inf")).any(), "no duplicate exercised"
 
 
-def loop_shape(budget: AdaptiveBudget, stats, pool: DraftTree, index: int, active: torch.Tensor):
-    """AdaptiveBudget.shape as it was first written (one sort per group, one update per option), the reference for
-    the batched version: returns (tree, predicted tau) and updates stats.curve / stats.seen."""
-    from longspec.decode.budget import CURVE_RATE, _part_bits
+def naive_scoring(budget: AdaptiveBudget, stats, pool: DraftTree, index: int, active: torch.Tensor):
+    """AdaptiveBudget.shape's pruning and option scoring, one option and one row at a time in Python: every option
+    the pool contains keeps the first ``nodes`` of its members (its depth limit and parts) ranked by the capped
+    estimate, ties to the lower index. Returns (kept pool indices per row, within [B, T, K], contained [K])."""
+    from longspec.decode.budget import _part_bits
 
     option = budget.options[index]
     p = stats.estimate(stats.keys(pool.depths, pool.scores, pool.sources))
     p[:, 0] = 1.0
     p = torch.where(pool.mask, p[:, None, :], torch.ones_like(p)[:, None, :]).amin(dim=-1)
-    weight = active.float() / active.float().sum().clamp(min=1.0)
-    groups: dict[tuple, list] = {}
-    for j, o in enumerate(budget.options):
-        if o.spec is None or o.spec.depth > option.spec.depth:
+    B, P = p.shape
+
+    def kept_by(o, b):
+        members = [i for i in range(P) if pool.depths[b, i] <= o.spec.depth and (
+            i == 0 or not o.spec.parts or int(pool.sources[b, i]) & _part_bits(o.spec))]
+        ranked = sorted(range(P), key=lambda i: (i not in members, -float(p[b, i]) if i in members else 0, i))
+        return {i for i in ranked[: o.nodes] if i in members}, sorted(ranked[: o.nodes])
+
+    kept = [sorted(range(P)) if option.nodes == P else kept_by(option, b)[1] for b in range(B)]
+    within = torch.zeros(B, len(kept[0]), len(budget.options))
+    contained = torch.zeros(len(budget.options), dtype=torch.bool)
+    for k, o in enumerate(budget.options):
+        if o.spec is None or o.spec.depth > option.spec.depth or (
+                option.spec.parts and (_part_bits(o.spec) & ~_part_bits(option.spec) or any(
+                    len(a) > len(c) for a, c in zip(o.spec.parts, option.spec.parts)))):
             continue
-        bits = _part_bits(o.spec)
-        if bits & ~_part_bits(option.spec) or any(len(a) > len(b) for a, b in zip(o.spec.parts, option.spec.parts)):
-            continue
-        groups.setdefault((o.spec.depth, bits), []).append((j, o.nodes))
-    predicted = None
-    for (depth, bits), members in groups.items():
-        member = (pool.depths <= depth) & (((pool.sources & bits) != 0) | (pool.depths == 0))
-        ranked = torch.sort(torch.where(member, p, -1.0), dim=1, descending=True).values.clamp(min=0)
-        taus = (ranked.cumsum(dim=1) * weight[:, None]).sum(dim=0)
-        for j, nodes in members:
-            rate = CURVE_RATE if stats.seen[j] else 1.0
-            stats.curve[j] = (1 - rate) * stats.curve[j] + rate * taus[nodes - 1]
-            stats.seen[j] = True
-            if j == index:
-                predicted = taus[nodes - 1]
-    return prune_tree(pool, p, option.nodes), predicted
+        holds = []
+        for b in range(B):
+            mine = kept_by(o, b)[0]
+            within[b, :, k] = torch.tensor([float(i in mine) for i in kept[b]])
+            holds.append(mine <= set(kept[b]) or not active[b])
+        contained[k] = all(holds)
+    return torch.tensor(kept), within, contained
 
 
 @pytest.mark.parametrize("label", ["3-4-4|1-1-1-1/8", "3-4-4|1-1-1-1/16", "3-4|1-1/4", "none|1-1-1-1/5", "3-4-4|none/8"])
-def test_batched_shape_matches_the_loop(label):
-    """The batched AdaptiveBudget.shape keeps the same nodes, predicts the same tau and moves every option's curve
-    and seen flag as the per-group loop did, over two rounds (so both curve rates are used); the keys it hands the
-    tail are the kept nodes' statistics cells."""
+def test_shape_scores_the_options_its_tree_contains(label):
+    """The batched AdaptiveBudget.shape keeps, per row, the nodes the one-at-a-time reference keeps, and marks the
+    same nodes of every option and the same contained options; its keys are the kept nodes' statistics cells and
+    its predicted tau the option's running realised tau."""
     from longspec.decode.budget import AcceptanceStats
 
     spec = TreeSpec.merged((3, 4, 4), (1, 1, 1, 1))
@@ -461,28 +498,82 @@ def test_batched_shape_matches_the_loop(label):
     index = [o.label for o in budget.options].index(label)
     drafted = budget.options[index].spec
     g = torch.Generator().manual_seed(3)
-    new, ref = (AcceptanceStats(2, spec.depth, len(budget.options), torch.device("cpu")) for _ in range(2))
-    counts = torch.rand(2, new.proposed.numel(), generator=g) * 10
-    for s in (new, ref):
-        s.proposed.copy_(counts[0] + counts[1])
-        s.accepted.copy_(counts[1])
+    stats = AcceptanceStats(2, spec.depth, len(budget.options), torch.device("cpu"))
+    counts = torch.rand(2, stats.proposed.numel(), generator=g) * 10
+    stats.proposed.copy_(counts[0] + counts[1])
+    stats.accepted.copy_(counts[1])
+    stats.realised.copy_(torch.rand(len(budget.options), generator=g) + 1)
     active = torch.tensor([True, False, True])
-    for round_ in range(2):
-        parts = [distinct_pool(s, 3, seed=10 * round_ + i) if s is not None else None
+    for seed in range(3):
+        parts = [distinct_pool(s, 3, seed=10 * seed + i) if s is not None else None
                  for i, s in enumerate(drafted.part_specs())]
         pool = merge_trees(torch.zeros(3, dtype=torch.int64), parts, drafted)
-        tree, predicted, keys = budget.shape(new, pool, index, active)
-        want, want_predicted = loop_shape(budget, ref, pool, index, active)
+        tree, predicted, (keys, within, contained) = budget.shape(stats, pool, index, active)
+        kept, want_within, want_contained = naive_scoring(budget, stats, pool, index, active)
+        want = select_nodes(pool, kept)
         for name in ("tokens", "parents", "mask", "depths", "scores", "sources"):
             assert torch.equal(getattr(tree, name), getattr(want, name)), name
-        torch.testing.assert_close(predicted, want_predicted)
-        torch.testing.assert_close(new.curve, ref.curve)
-        assert torch.equal(new.seen, ref.seen) and new.seen.sum() >= 2
-        assert torch.equal(keys, new.keys(tree.depths, tree.scores, tree.sources))
-    # a round on finished rows only (the one generate runs ahead at its end) moves no curve and marks nothing seen
-    curve, seen = new.curve.clone(), new.seen.clone()
-    budget.shape(new, pool, index, torch.zeros(3, dtype=torch.bool))
-    assert torch.equal(new.curve, curve) and torch.equal(new.seen, seen)
-    fresh = AcceptanceStats(2, spec.depth, len(budget.options), torch.device("cpu"))
-    budget.shape(fresh, pool, index, torch.zeros(3, dtype=torch.bool))
-    assert not fresh.seen.any() and (fresh.curve == 1.0).all()
+        assert torch.equal(within, want_within) and torch.equal(contained, want_contained)
+        assert contained[index], "the verified option contains itself"
+        assert torch.equal(keys, stats.keys(tree.depths, tree.scores, tree.sources))
+        assert predicted == stats.realised[index]
+
+
+def hand_tree() -> tuple[AdaptiveBudget, DraftTree]:
+    """Two rows of one pool of TreeSpec((2, 2)): root 0; 1 and 2 under it; 3 and 4 under 1. Scores put the nodes in
+    the draft-score buckets 0 (nodes 1 and 3), 2 (node 2) and 4 (node 4), so with fresh statistics the depth-2
+    ranking is 0, 1, 3, 2, 4 and the depth-1 ranking 0, 1, 2."""
+    spec = TreeSpec((2, 2))
+    budget = AdaptiveBudget(budgets=(2, 3), depths=(1,))
+    budget.bind(spec)
+    tokens = torch.tensor([[9, 11, 12, 13, 14]] * 2)
+    scores = torch.tensor([[0.0, -0.1, -2.0, -0.5, -3.0]] * 2)
+    pool = complete_tree(DraftTree(tokens, torch.tensor([[-1, 0, 0, 1, 1]] * 2), scores=scores), spec)
+    return budget, pool
+
+
+def verify_round(budget, stats, pool, label: str, draws: list[list[int]], active=(True, True)) -> list[int]:
+    """Shape the pool to ``label``, accept along the given per-node draws ([B, P] over the *pool's* nodes), record;
+    returns the rows' accepted lengths."""
+    index = [o.label for o in budget.options].index(label)
+    active = torch.tensor(active)
+    tree, _, (keys, within, contained) = budget.shape(stats, pool, index, active)
+    kept = [[int(i) for i in torch.nonzero((tree.tokens[b, :, None] == pool.tokens[b]).any(0))[:, 0]]
+            for b in range(2)]
+    y = torch.tensor([[draws[b][i] for i in kept[b]] for b in range(2)])
+    acc = accept_tree(tree.tokens, tree.parents, tree.mask, y, tree.depths, max_depth=2)
+    stats.record(keys, within, contained, acc.accept_index, acc.accept_len, active)
+    return acc.accept_len.tolist()
+
+
+def test_counterfactual_tau_on_a_hand_built_tree():
+    """Each option the verified tree contains is scored by 1 + the accepted path's nodes among its own kept nodes;
+    the others keep their estimate; the running mean moves by REALISED_RATE once an option has been seen."""
+    from longspec.decode.budget import REALISED_RATE, AcceptanceStats
+
+    budget, pool = hand_tree()
+    labels = [o.label for o in budget.options]
+    assert labels == ["plain", "2/2", "2/3", "2-2/2", "2-2/3", "2-2/5"]
+    stats = AcceptanceStats(1, 2, len(labels), torch.device("cpu"))
+    # row 0: the target continues 11 13 (nodes 1, 3); row 1: 12 (node 2), which "2-2/3" does not hold
+    draws = [[11, 13, 0, 0, 0], [12, 0, 0, 0, 0]]
+    assert verify_round(budget, stats, pool, "2-2/3", draws) == [3, 1]
+    # contained: 2/2 = {0, 1}, 2-2/2 = {0, 1}, 2-2/3 itself; not 2/3 (node 2) nor 2-2/5
+    assert stats.seen.tolist() == [False, True, False, True, True, False]
+    assert stats.realised.tolist() == [1.0, (2 + 1) / 2, 1.0, (2 + 1) / 2, (3 + 1) / 2, 1.0]
+    # the whole pool contains every option: row 0 realises 3 (its path 1, 3), row 1 2 (node 2)
+    assert verify_round(budget, stats, pool, "2-2/5", draws) == [3, 2]
+    new = {"2/2": (2 + 1) / 2, "2/3": (2 + 2) / 2, "2-2/2": (2 + 1) / 2, "2-2/3": (3 + 1) / 2, "2-2/5": (3 + 2) / 2}
+    old = {"2/2": 1.5, "2/3": None, "2-2/2": 1.5, "2-2/3": 2.0, "2-2/5": None}
+    want = [1.0] + [new[k] if old[k] is None else old[k] + REALISED_RATE * (new[k] - old[k]) for k in labels[1:]]
+    torch.testing.assert_close(stats.realised, torch.tensor(want))
+    assert stats.seen.tolist() == [False] + [True] * 5
+    # an inactive row neither counts nor blocks containment; a round on finished rows only scores nothing
+    before = stats.realised.clone()
+    verify_round(budget, stats, pool, "2-2/2", draws, active=(False, False))
+    assert torch.equal(stats.realised, before)
+    verify_round(budget, stats, pool, "2/3", [[13, 0, 0, 0, 0], [12, 0, 0, 0, 0]], active=(False, True))
+    got = stats.realised.tolist()
+    assert got[labels.index("2/3")] == pytest.approx(before[2] + REALISED_RATE * (2 - before[2]))
+    assert got[labels.index("2/2")] == pytest.approx(before[1] + REALISED_RATE * (1 - before[1]))
+    assert got[labels.index("2-2/3")] == before[4], "node 3 lies outside 2/3's tree: not contained"

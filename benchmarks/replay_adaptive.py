@@ -1,0 +1,188 @@
+"""The adaptive merged drafter's choices replayed on the CPU under a GPU cost model: a *model* of tokens/s, not a
+measurement.
+
+Every method of :mod:`benchmarks.bench_adaptive` (plain decoding, the PLD chain, the fixed LongSpec tree and chain,
+the adaptive LongSpec+PLD drafter) decodes the same held-out prompts of the shipped pair on the CPU in float32, at
+T = 0 and T = 1 (seed-exact). The adaptive decoder's budget chooses under a GPU cost model (its ``costs``), so its
+choices follow the GPU's costs, not the CPU's. Each method's *modelled* decode time is the sum over its rounds of
+the cost model's round time (the adaptive drafter: its chosen option's ``round_us`` at that round's committed
+length; a fixed method: its own round line), and modelled tokens/s = generated tokens / that time. The CPU's own
+times are not used. Rows: realised tau, modelled tokens/s, the ratio over the best fixed drafter (PLD chain,
+LongSpec tree, LongSpec chain, as ``bench_adaptive``), whether the output equals plain decoding's, and for the
+adaptive drafter the rounds per chosen option.
+
+Costs. ``--costs FILE``: the adaptive options' :class:`~longspec.decode.budget.CostModel` (``pair_costs.json``, the
+calibration ``bench_adaptive`` saves on the GPU). Without it, :func:`typed_costs`: typed in from the H200 rows of
+``benchmarks/results/h200/step_latency_adaptive.md`` (the pair, 8k, ``compile=False``, one context), with the
+untimed node counts and draft keys interpolated by hand and a context slope from ``step_latency.md``'s plain decode
+(840 us at 8k, 870 at 32k). ``--fixed-costs FILE`` (JSON ``{method: [a, b]}``, us = a + b * context): the fixed
+methods' rounds; default :data:`FIXED_US`, from the same tables (the LongSpec chain, never timed there, scaled from
+the fixed tree by their ratio in ``adaptive.md``).
+
+Usage (about five minutes on two CPU cores): ``python -m benchmarks.replay_adaptive --out DIR``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from benchmarks.bench_adaptive import ADAPTIVE, FIXED, LONGSPEC_CHAIN, LONGSPEC_TREE, PLAIN, PLD, TREE, pair_methods, \
+    pair_prompts
+from benchmarks.harness import write_results
+from longspec import SpeculativeDecoder
+from longspec.decode.budget import BudgetOption, CostModel
+from longspec.testing import first_difference
+
+SLOPE = (870.0 - 840.0) / (32768 - 8192)  # us per committed token: the pair's plain decode, 8k -> 32k (H200)
+AT = 8192  # the context of the typed H200 rows
+# verify + accept (us, H200, the pair at 8k) by node count, step_latency_adaptive.md; other counts interpolated
+VERIFY_US = {1: 938.0, 4: 1034.0, 7: 1060.0, 16: 1055.0, 48: 1097.0, 69: 1134.0, 75: 1137.0}
+# draft (us) by pool: the timed keys from step_latency_adaptive.md; the depth-3 LongSpec and merged pools untimed,
+# typed as about 3/5 of the LongSpec draft plus what the PLD part adds
+DRAFT_US = {"plain": 111.0, "none|1-1-1-1-1-1": 785.0, "none|1-1-1": 593.0, "4-16-16-16-16|none": 1500.0,
+            "4-16-16|none": 1050.0, "4-16-16-16-16|1-1-1-1-1-1": 2490.0, "4-16-16|1-1-1": 1950.0}
+# fixed methods' rounds (a, b): plain decode (step_latency.md), PLD chain 6 and the 69-node tree
+# (step_latency_adaptive.md), the LongSpec chain of 5 = the tree's x 2221 / 2632 (their e2e rounds at 8k, adaptive.md)
+FIXED_US = {PLAIN: (840.0 - SLOPE * AT, SLOPE), PLD: (1656.0 - SLOPE * AT, SLOPE),
+            LONGSPEC_TREE: (2504.0 - SLOPE * AT, SLOPE), LONGSPEC_CHAIN: (2504.0 * 2221 / 2632 - SLOPE * AT, SLOPE)}
+
+
+def _interpolate(table: dict[int, float], n: int) -> float:
+    xs = sorted(table)
+    if n <= xs[0] or n >= xs[-1]:
+        return table[xs[0] if n <= xs[0] else xs[-1]]
+    hi = next(x for x in xs if x >= n)
+    lo = max(x for x in xs if x <= n)
+    return table[lo] if hi == lo else table[lo] + (table[hi] - table[lo]) * (n - lo) / (hi - lo)
+
+
+def typed_costs(options: list[BudgetOption]) -> CostModel:
+    """The adaptive options' costs typed in from the H200 tables (see the module), at batch 1."""
+    missing = sorted({o.draft_key for o in options} - set(DRAFT_US))
+    if missing:
+        raise ValueError(f"no typed draft cost for {missing}: pass --costs (the options differ from bench_adaptive's)")
+    verify = {o.nodes: (_interpolate(VERIFY_US, o.nodes) - SLOPE * AT, SLOPE) for o in options}
+    draft = {o.draft_key: (DRAFT_US[o.draft_key], 0.0) for o in options}
+    return CostModel({1: verify}, {1: draft}, {"source": "typed from benchmarks/results/h200/step_latency_adaptive.md "
+                                                         "(pair, 8k, compile=False), interpolated by hand"})
+
+
+def load_fixed(path) -> dict[str, tuple[float, float]]:
+    if path is None:
+        return dict(FIXED_US)
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict) or set(data) != {PLAIN, *FIXED} or any(len(v) != 2 for v in data.values()):
+        raise ValueError(f"--fixed-costs {path}: expected {{method: [a, b]}} for exactly {[PLAIN, *FIXED]}")
+    return {k: (float(a), float(b)) for k, (a, b) in data.items()}
+
+
+def modelled_us(out, prompt_len: int, round_us) -> float:
+    """Sum over the call's rounds of ``round_us(round index, committed length)`` (batch 1)."""
+    total, context = 0.0, prompt_len
+    for r, n in enumerate(out.accept_lengths[0]):
+        total += round_us(r, context)
+        context += n
+    return total
+
+
+def decode(dec, name: str, prompts, new_tokens: int, temperature: float, costs: CostModel,
+           fixed: dict[str, tuple[float, float]]) -> dict:
+    tokens = rounds = 0
+    seconds = 0.0
+    outputs, options = [], Counter()
+    for i, ids in enumerate(prompts):
+        out = dec.generate(ids, new_tokens, temperature=temperature, seed=i, eos_token_id=[])
+        if name == ADAPTIVE:
+            labels = out.stats.option_per_round
+            by_label = {o.label: o for o in dec.budget.options}
+            seconds += modelled_us(out, ids.shape[1],
+                                   lambda r, c: costs.round_us(by_label[labels[r]], c, 1)) / 1e6
+            options.update(labels)
+        else:
+            a, b = fixed[name]
+            seconds += modelled_us(out, ids.shape[1], lambda r, c: a + b * c) / 1e6
+        tokens += sum(out.accept_lengths[0])
+        rounds += len(out.accept_lengths[0])
+        outputs.append(out.sequences[:, ids.shape[1]:])
+    row = {"tau": tokens / max(rounds, 1), "modelled_tokens_per_s": tokens / max(seconds, 1e-12), "rounds": rounds,
+           "outputs": outputs}
+    if options:
+        row["options"] = dict(options.most_common())
+    return row
+
+
+def replay(pair, prompts_by_ctx, new_tokens: int, temperatures, costs, fixed) -> list[dict]:
+    decoders = {}
+    for name, (factory, shape, budget_factory) in pair_methods(pair.draft, TREE, len(TREE)).items():
+        budget = budget_factory() if budget_factory is not None else None
+        dec = SpeculativeDecoder(pair.target, factory(), tree_shape=shape, budget=budget)
+        if budget is not None:
+            budget.costs = costs if costs is not None else typed_costs(budget.options)
+            if not budget.costs.covers(1, budget.options):
+                raise ValueError("--costs: the cost model does not cover every adaptive option at batch 1")
+        decoders[name] = dec
+    rows = []
+    for ctx, (prompts, packages) in sorted(prompts_by_ctx.items()):
+        for temperature in temperatures:
+            results = {name: decode(dec, name, prompts, new_tokens, temperature,
+                                    decoders[ADAPTIVE].budget.costs, fixed) for name, dec in decoders.items()}
+            best = max(results[m]["modelled_tokens_per_s"] for m in FIXED)
+            base = results[PLAIN]["outputs"]
+            for name, r in results.items():
+                same = all(first_difference(a, b) is None for a, b in zip(r.pop("outputs"), base))
+                rows.append({"context": ctx, "T": temperature, "method": name, **r,
+                             "vs_plain": r["modelled_tokens_per_s"] / results[PLAIN]["modelled_tokens_per_s"],
+                             "vs_best_fixed": r["modelled_tokens_per_s"] / best, "identical_to_plain": same,
+                             "packages": packages})
+                print(f"ctx {ctx:6d} T {temperature} {name:24s} tau {r['tau']:.2f} modelled "
+                      f"{r['modelled_tokens_per_s']:7.1f} tok/s vs best fixed x{rows[-1]['vs_best_fixed']:.2f} "
+                      f"same={same} {r.get('options', '')}", flush=True)
+    return rows
+
+
+COLUMNS = [("context", "context", ""), ("T", "T", ""), ("method", "method", ""), ("tau", "tau", ".2f"),
+           ("rounds", "rounds", ""), ("modelled_tokens_per_s", "modelled tokens/s", ".1f"),
+           ("vs_plain", "vs plain", ".2f"), ("vs_best_fixed", "vs best fixed", ".2f"),
+           ("identical_to_plain", "same as plain", "")]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096])
+    ap.add_argument("--prompts", type=int, default=1)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    ap.add_argument("--costs", help="the adaptive options' CostModel (pair_costs.json); default: typed (see module)")
+    ap.add_argument("--fixed-costs", help="JSON {method: [a, b]} of the fixed methods' round us; default: typed")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="default: benchmarks/results/cpu/")
+    a = ap.parse_args(argv)
+    from longspec.pretrained import load_code_pair
+
+    torch.set_num_threads(a.threads)
+    t0 = time.perf_counter()
+    costs = CostModel.load(a.costs) if a.costs else None
+    fixed = load_fixed(a.fixed_costs)
+    pair = load_code_pair("cpu", torch.float32)
+    with torch.inference_mode():
+        prompts = pair_prompts(pair.tokenizer, a.contexts, a.prompts)
+    rows = replay(pair, prompts, a.new_tokens, a.temperatures, costs, fixed)
+    meta = {"device": "cpu (decoding), costs modelled", "dtype": "torch.float32", "prompts_per_context": a.prompts,
+            "new_tokens": a.new_tokens, "costs": a.costs or "typed (H200 step_latency_adaptive.md)",
+            "fixed_costs": a.fixed_costs or "typed (H200 step_latency*.md)", "total_s": round(time.perf_counter() - t0)}
+    write_results("replay_adaptive", rows, a.out, meta=meta, columns=COLUMNS,
+                  title="Adaptive merged drafter replayed on the CPU under a GPU cost model (modelled, not measured)",
+                  notes=["tokens/s are MODELLED: generated tokens / the sum of the cost model's round times over the "
+                         "rounds each method ran on the CPU; `vs best fixed`: over the best of PLD chain 6, LongSpec "
+                         "tree and LongSpec chain; `python -m benchmarks.replay_adaptive`"])
+    print(f"done in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
