@@ -37,7 +37,7 @@ import torch
 from benchmarks.harness import write_results
 from longspec import (AdaptiveBudget, LongSpecDraft, LongSpecDrafter, MergedDrafter, PromptLookupDrafter,
                       SpeculativeDecoder, TreeSpec)
-from longspec.decode.budget import CostModel, default_options, sampling_key
+from longspec.decode.budget import CostModel, Exploration, default_options, sampling_key
 from longspec.decode.sampling import SamplingParams
 from longspec.testing import first_difference, published_target
 
@@ -169,8 +169,8 @@ def bench_pair(pair, prompts_by_ctx, new_tokens: int, temperatures, device: str,
     return rows, costs
 
 
-def proj_budget(costs=None, explore_every: int = 32) -> AdaptiveBudget:
-    return AdaptiveBudget(costs, budgets=PROJ_BUDGETS, depths=PROJ_DEPTHS, explore_every=explore_every)
+def proj_budget(costs=None, explore: float = 0.5) -> AdaptiveBudget:
+    return AdaptiveBudget(costs, budgets=PROJ_BUDGETS, depths=PROJ_DEPTHS, explore=explore)
 
 
 def option_taus(pair, prompts_by_ctx, new_tokens: int, device: str, tree: tuple) -> dict[int, list[float]]:
@@ -183,7 +183,7 @@ def option_taus(pair, prompts_by_ctx, new_tokens: int, device: str, tree: tuple)
     flat = CostModel({1: {o.nodes: (2000.0 if o.spec is None else 1000.0 + 1e-3 * (whole - o.nodes), 0.0)
                           for o in options}},
                      {1: {o.draft_key: (0.0, 0.0) for o in options}})
-    budget = proj_budget(flat, explore_every=0)
+    budget = proj_budget(flat, explore=0.0)
     dec = SpeculativeDecoder(pair.target, LongSpecDrafter(pair.draft), tree_shape=tree,
                              cuda_graphs=device.startswith("cuda"), budget=budget)
     out = {}
@@ -236,7 +236,7 @@ def extrapolate(by_layers: dict[int, CostModel], layers: int) -> CostModel:
 
 
 def project(costs: CostModel, taus: dict[int, list[float]], contexts, batches, tree: tuple) -> list[dict]:
-    budget = proj_budget(costs, explore_every=0)
+    budget = proj_budget(costs, explore=0.0)
     budget.bind(TreeSpec(tree))
     options = budget.options
     plain = next(i for i, o in enumerate(options) if o.spec is None)
@@ -246,7 +246,8 @@ def project(costs: CostModel, taus: dict[int, list[float]], contexts, batches, t
         near = max([c for c in taus if c <= ctx] or [min(taus)])
         curve = taus[near]
         for batch in batches:
-            pick, _ = budget.choose(ctx, batch, curve, [True] * len(options), 0)
+            # no exploration (explore=0): the counts do not matter, the choice is the best rate on these taus
+            pick = budget.choose(ctx, batch, curve, [True] * len(options), Exploration([1.0] * len(options), 1.0))
             base = costs.round_us(options[plain], ctx, batch)
 
             def speedup(i: int) -> float:

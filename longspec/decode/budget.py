@@ -22,13 +22,19 @@ calibrated, below). Every option is a static shape, so each replays from its own
   does not depend on which other nodes the tree holds), so on a sub-tree the same draws follow the same path until
   it leaves the sub-tree, and the option realises 1 + the accepted path's nodes among its own (a prefix of the path:
   its kept set is ancestor-closed; a duplicate sibling it kept without the first one would count as rejected). A
-  running mean of that realised tau per option (``REALISED_RATE``) is what the choice reads; a plain round realises
-  exactly 1. Options the verified tree does not contain keep their estimate until a round contains them.
+  running mean of that realised tau per option (``REALISED_RATE``; the weight of the old rounds also decays while
+  an option is not scored, so a score coming after a stretch of rounds without one counts for more) is what the
+  choice reads; a plain round realises exactly 1. Options the verified tree does not contain keep their estimate
+  until a round contains them, and an option is never estimated below one whose kept nodes its tree surely holds.
 * **Choice** (:meth:`AdaptiveBudget.choose`, on the host, once per round, from the values the round's one sync
-  reads): the option with the highest realised tau per microsecond at the current committed length and batch, plain
-  rounds included; every ``explore_every`` rounds the cheapest option whose tree surely contains the best one's (a
-  larger budget of the same pool, or the whole of a larger pool), so that the options next to the best are
-  re-scored; the first round verifies the largest option, which scores every option.
+  reads): the option with the highest optimistic realised tau per microsecond at the current committed length and
+  batch, plain rounds (tau exactly 1, nothing to learn) included. Optimistic as in discounted UCB (Garivier and
+  Moulines, 2011): an option's realised tau plus ``explore * gain * sqrt(log(n) / n_k)``, where n_k counts the
+  recent rounds that scored it (each round's count decays by ``1 - 1 / window``), n the recent rounds and gain the
+  most any option has gained over a plain round (so exploring is cheap where drafts are poor); so an option the
+  chosen trees do not contain (prompt lookup while a LongSpec tree wins) is verified again once its count has
+  decayed enough, and a drafter that stopped paying is dropped after a few rounds. The first round verifies the
+  largest option, which scores every option.
 
 Rows of a batch share the option (one forward) but not the tree: each row keeps its own best nodes. Nothing here
 changes what is emitted: every option is a tree verified by the same lossless rule.
@@ -38,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import statistics
 import time
@@ -55,7 +62,16 @@ SCORE_BUCKET = 0.75  # nats per draft-score bucket: bucket k holds log-probabili
 NUM_BUCKETS = 16  # the last bucket also takes everything below -11.25, -inf included
 PRIOR_WEIGHT = 4.0  # pseudo-count of the prior (the bucket's own probability) in each acceptance estimate
 DECAY = 1.0 - 1.0 / 2048  # per round: the counts forget rounds older than a few thousand
-REALISED_RATE = 0.2  # weight of the newest round in an option's running realised tau
+REALISED_RATE = 0.2  # weight of the newest round in an option's running realised tau (scored every round)
+
+
+@dataclass
+class Exploration:
+    """One run's host-side record for the choice: ``scored[k]``, the discounted count of recent rounds whose tree
+    surely held option k's (so scored it), and ``rounds``, the discounted count of rounds."""
+
+    scored: list[float]
+    rounds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -214,7 +230,7 @@ class AcceptanceStats:
     Device tensors, updated inside the captured draft and tail steps (no host sync): ``proposed`` / ``accepted``
     float32 ``[S * (D + 1) * NUM_BUCKETS]`` (decayed counts; S = 2 ** parts), ``realised`` float32 ``[options]``
     (running mean of the tau each option realised or would have realised; 1 until ``seen``), ``seen`` bool
-    ``[options]``.
+    ``[options]``; and on the host the :class:`Exploration` counts the choice keeps.
     """
 
     def __init__(self, parts: int, max_depth: int, num_options: int, device: torch.device) -> None:
@@ -227,10 +243,12 @@ class AcceptanceStats:
         self.prior[bucket == NUM_BUCKETS - 1] = 0.0  # the catch-all bottom bucket: fillers, duplicates
         self.realised = torch.ones(num_options, device=device)
         self.seen = torch.zeros(num_options, dtype=torch.bool, device=device)
+        self.mass = torch.zeros(num_options, device=device)  # weight of the rounds behind each running mean
+        self.exploration = Exploration([0.0] * num_options)  # host side: AdaptiveBudget.choose counts into it
 
     def tensors(self) -> list[Tensor]:
         """What the draft and tail steps mutate (restored after their graph warm-up runs)."""
-        return [self.proposed, self.accepted, self.realised, self.seen]
+        return [self.proposed, self.accepted, self.realised, self.seen, self.mass]
 
     def keys(self, depths: Tensor, scores: Tensor, sources: Tensor) -> Tensor:
         """int64 ``[B, T]`` table cells of the nodes (scores and sources as :meth:`AdaptiveBudget.shape` fills
@@ -277,7 +295,13 @@ class AcceptanceStats:
         tau = torch.einsum("bt,btk,b->k", on_path, within, rows)  # the root counts: it is every option's
         # a round on finished rows only (the one generate runs ahead at its end) scores nothing
         update = contained & active.any()
-        self.realised.lerp_(tau, torch.where(self.seen, REALISED_RATE, 1.0) * update)
+        # every verified round ages every mean by (1 - REALISED_RATE); a scored option adds its round at weight
+        # REALISED_RATE: scored every round, the mean is an exponential one at that rate; scored again after k rounds
+        # without, the new round weighs REALISED_RATE / ((1 - REALISED_RATE) ** k + REALISED_RATE)
+        self.mass.mul_(torch.where(active.any(), 1.0 - REALISED_RATE, 1.0))
+        w = REALISED_RATE * update
+        self.realised.lerp_(tau, w / (self.mass + w).clamp(min=1e-12))
+        self.mass.add_(w)
         self.seen.logical_or_(update)
 
 
@@ -294,8 +318,10 @@ class AdaptiveBudget:
         depths: depth limits to grow pools to (the tree's full depth is always one).
         options: an explicit option list instead of ``budgets`` and ``depths`` (each option's spec must be a
             depth-truncated prefix of the decoder's tree or of one of its parts).
-        explore_every: every this many rounds verify the cheapest option whose tree surely contains the best
-            option's (0: never; then options the chosen trees do not contain keep their first estimates).
+        explore: the weight of the optimism bonus ``sqrt(log(n) / n_k)``, in units of the best gain drafting has
+            realised so far (the highest tau - 1, a quarter token at least) (0: none; then options the chosen trees
+            do not contain keep their first estimates).
+        window: rounds of memory of the counts behind the bonus (each round's count decays by ``1 - 1 / window``).
         cache_dir: where calibrations are kept (default ``$LONGSPEC_CACHE_DIR`` or ``~/.cache/longspec``).
 
     One instance serves one decoder (its statistics are that decoder's); pass it as
@@ -304,18 +330,20 @@ class AdaptiveBudget:
 
     def __init__(self, costs: CostModel | str | os.PathLike | None = None,
                  budgets: Sequence[int] = (2, 4, 8, 16, 32, 64), depths: Sequence[int] = (2, 3, 5), options: Optional[Sequence[BudgetOption]] = None,
-                 explore_every: int = 32, cache_dir: Optional[str | os.PathLike] = None) -> None:
+                 explore: float = 1.0, window: int = 64, cache_dir: Optional[str | os.PathLike] = None) -> None:
         if costs is not None and not isinstance(costs, CostModel):
             costs = CostModel.load(costs)
         for name, values in (("budgets", budgets), ("depths", depths)):
             if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
                 raise ValueError(f"{name} must be a non-empty sequence of ints >= 1, got {values!r}")
-        if isinstance(explore_every, bool) or not isinstance(explore_every, int) or explore_every < 0:
-            raise ValueError(f"explore_every must be an int >= 0, got {explore_every!r}")
+        if isinstance(explore, bool) or not isinstance(explore, (int, float)) or not 0 <= explore < math.inf:
+            raise ValueError(f"explore must be a finite number >= 0, got {explore!r}")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be an int >= 1, got {window!r}")
         self.costs = costs  # (a property: assigning it drops the per-batch cost lines choose() reads)
         self.budgets, self.depths = tuple(budgets), tuple(depths)
         self._given_options = None if options is None else list(options)
-        self.explore_every = explore_every
+        self.explore, self.window = float(explore), window
         self.cache_dir = cache_dir
         self.options: list[BudgetOption] = []
         self.spec: Optional[TreeSpec] = None
@@ -341,8 +369,9 @@ class AdaptiveBudget:
         self.spec, self.options = spec, options
         self.largest = max(range(len(options)), key=lambda i: (options[i].nodes, -i))
         self._plain = [o.spec is None for o in options]
-        self._above = [[j for j, o in enumerate(options) if j != i and _surely_contains(o, options[i])]
-                       for i in range(len(options))]
+        # the options a round of option i surely scores (itself included)
+        self._scores = [[j for j, o in enumerate(options) if j == i or _surely_contains(options[i], o)]
+                        for i in range(len(options))]
         self._stats.clear()
         self._lines = {}
         self._pool_groups: dict[tuple, _PoolGroups] = {}  # (draft key, device) -> the options its pool estimates
@@ -377,24 +406,38 @@ class AdaptiveBudget:
         return self._stats[key]
 
     def choose(self, context: float, batch: int, realised: Sequence[float], seen: Sequence[bool],
-               rounds_since_explore: int) -> tuple[int, bool]:
-        """``(option index, explored)`` for the next round (host): the best realised tau per microsecond among
-        the options with an estimate (a plain round realises 1); the largest option on the first round; every
-        ``explore_every`` rounds instead the cheapest option whose tree surely contains the best's (when there is
-        one)."""
+               exploration: Exploration) -> int:
+        """The option index for the next round (host), counted into ``exploration``: the largest option on the
+        first round; then the best optimistic realised tau per microsecond (a plain round realises exactly 1, with
+        no bonus)."""
         if not any(seen):
-            return self.largest, True
-        if batch not in self._lines:  # each option's round cost a + b * context, looked up once per batch
-            c = self.costs
-            self._lines[batch] = [tuple(x + y for x, y in zip(c.verify[batch][o.nodes], c.draft[batch][o.draft_key]))
-                                  for o in self.options]
-        cost = [max(a + b * context, 1e-9) for a, b in self._lines[batch]]
-        rates = [(1.0 if plain else tau) / us if plain or ok else -1.0
-                 for us, tau, ok, plain in zip(cost, realised, seen, self._plain)]
-        best = max(range(len(rates)), key=rates.__getitem__)  # the first of equals
-        if self.explore_every and rounds_since_explore >= self.explore_every and self._above[best]:
-            return min(self._above[best], key=cost.__getitem__), True
-        return best, False
+            index = self.largest
+        else:
+            if batch not in self._lines:  # each option's round cost a + b * context, looked up once per batch
+                c = self.costs
+                self._lines[batch] = [tuple(x + y for x, y in zip(c.verify[batch][o.nodes],
+                                                                  c.draft[batch][o.draft_key]))
+                                      for o in self.options]
+            log_n = math.log(max(exploration.rounds, 2.0))
+            floor = 1.0 / self.window  # a count never scored gets the bonus of 1 / window rounds
+            # a tree that surely holds another's kept nodes realises at least what that one did (at T = 0 the
+            # accepted path of the larger tree extends the smaller's), so its estimate is never below theirs
+            taus = [max((realised[j] for j in held if seen[j]), default=1.0) for held in self._scores]
+            # the bonus in units of what drafting has gained at best so far (a quarter token at least): where every
+            # draft is poor (a weak pair at T = 1) exploring is worth little, where one drafter copies whole lines
+            # (prompt lookup at T = 0) a stale estimate may hide much
+            gain = max(0.25, max(t for t, plain in zip(taus, self._plain) if not plain) - 1.0)
+            bonus = self.explore * gain
+            rates = [1.0 / max(a + b * context, 1e-9) if plain else
+                     (tau + bonus * math.sqrt(log_n / max(n, floor))) / max(a + b * context, 1e-9)
+                     for (a, b), tau, plain, n in zip(self._lines[batch], taus, self._plain, exploration.scored)]
+            index = max(range(len(rates)), key=rates.__getitem__)  # the first of equals
+        keep = 1.0 - 1.0 / self.window
+        exploration.rounds = exploration.rounds * keep + 1.0
+        exploration.scored = [n * keep for n in exploration.scored]
+        for j in self._scores[index]:
+            exploration.scored[j] += 1.0
+        return index
 
     # -- device steps (captured) --------------------------------------------------------------------------------------
 

@@ -144,7 +144,6 @@ class Run:
     context: float = 0.0  # mean committed length of the active rows
     realised: list = field(default_factory=list)  # each option's running realised tau
     seen: list = field(default_factory=list)  # whether it has one
-    since_explore: int = 0  # rounds since the budget last explored
     stale: bool = False  # the drafter sat out a round and has no observe(): prefill it before it drafts again
 
     @property
@@ -518,10 +517,8 @@ class SpeculativeDecoder:
         """The budget's option for this round (None: the fixed tree), from what the last sync read."""
         if self.budget is None:
             return None
-        index, explored = self.budget.choose(run.context, run.state.root.shape[0], run.realised, run.seen,
-                                             run.since_explore)
-        run.since_explore = 0 if explored else run.since_explore + 1
-        return index
+        return self.budget.choose(run.context, run.state.root.shape[0], run.realised, run.seen,
+                                  run.stats.exploration)
 
     def _draft(self, run: Run, index: Optional[int]) -> tuple[DraftTree, Optional[Tensor], Optional[tuple]]:
         """The round's complete tree, and under a budget its option's realised tau and what the tail's

@@ -6,6 +6,7 @@ check live in ``test_verify``; the rows here differ in shape, which the fixed-tr
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 
@@ -14,7 +15,7 @@ import torch
 
 from longspec import (AdaptiveBudget, LongSpecDraft, LongSpecDrafter, MergedDrafter, PromptLookupDrafter,
                       SpeculativeDecoder, StreamingSelfDrafter, TreeSpec)
-from longspec.decode.budget import BudgetOption, CostModel, default_options, fit_line
+from longspec.decode.budget import BudgetOption, CostModel, Exploration, default_options, fit_line
 from longspec.decode.drafter import DraftTree
 from longspec.decode.merge import merge_trees
 from longspec.decode.sampling import SamplingParams
@@ -211,13 +212,13 @@ def greedy_reference():
 
 @pytest.mark.parametrize("case", list(DRAFTERS))
 def test_adaptive_greedy_matches_transformers(case):
-    """Under a budget whose costs make it switch between options (and explore every 3 rounds; plain rounds cost
-    more than any tree, so it drafts), the output is transformers' greedy decoding; the stats carry one entry per
+    """Under a budget whose costs make it switch between options (and explore eagerly: a large bonus, a 2-round
+    memory; plain rounds cost more than any tree, so it drafts), the output is transformers' greedy decoding; the stats carry one entry per
     round."""
     target = tiny_target(FAMILY)
     make, shape = DRAFTERS[case]
     ids, mask, want, scores = greedy_reference()
-    budget = AdaptiveBudget(explore_every=3, budgets=(2, 4, 8), depths=(2,))
+    budget = AdaptiveBudget(explore=2.0, window=2, budgets=(2, 4, 8), depths=(2,))
     budget.costs = unit_costs(default_options(TreeSpec(shape) if isinstance(shape, tuple) else shape, (2, 4, 8), (2,)),
                               per_node=0.3, plain=100.0)
     dec = SpeculativeDecoder(target, make(target), tree_shape=shape, budget=budget)
@@ -242,22 +243,30 @@ def forced_options(spec: TreeSpec) -> dict[str, BudgetOption]:
     }
 
 
-def test_adaptive_converges_to_plain_when_nothing_is_accepted():
+@pytest.mark.parametrize("explore", [0.0, 2.0])
+def test_adaptive_converges_to_plain_when_nothing_is_accepted(explore):
     """Prompt lookup on the tiny target accepts nothing here: after the opening rounds of the largest option (the
-    first two: the host chooses one round ahead), the budget verifies plain rounds, each ``explore_every``-th round
-    the cheapest tree that contains a plain round's root."""
+    first two: the host chooses one round ahead), the budget verifies plain rounds; with an optimism bonus (here a
+    quarter token's gain times 2: nothing was ever gained) it tries a tree again now and then, when its count has
+    decayed, and without one never."""
     target = tiny_target(FAMILY)
     make, shape = DRAFTERS["pld"]
     ids, mask, want, scores = greedy_reference()
-    budget = AdaptiveBudget(explore_every=3, budgets=(2, 4, 8), depths=(2,))
-    budget.costs = unit_costs(default_options(TreeSpec(shape), (2, 4, 8), (2,)), per_node=0.3)
+    budget = AdaptiveBudget(explore=explore, budgets=(2, 4, 8), depths=(2,))
+    # a plain round costs 30% less than the smallest tree (an exploration has a price)
+    budget.costs = unit_costs(default_options(TreeSpec(shape), (2, 4, 8), (2,)), per_node=0.3, plain=7.0)
     out = SpeculativeDecoder(target, make(target), tree_shape=shape, budget=budget).generate(
         ids, max_new_tokens=NEW, attention_mask=mask)
     assert_same_tokens(out.sequences, want, scores, start=ids.shape[1])
     chosen = out.stats.option_per_round
     assert all(t == 1.0 for t in out.stats.realised_tau), "the fixture should accept nothing"
     assert chosen[:2] == [budget.options[budget.largest].label] * 2
-    assert chosen[2:] == (["plain"] * 3 + ["3-3/2"]) * 5 + ["plain"]
+    later = chosen[2:]
+    if explore == 0.0:
+        assert later == ["plain"] * len(later)
+    else:
+        trees = len(later) - later.count("plain")
+        assert 1 <= trees <= len(later) // 4, later
 
 
 @pytest.mark.parametrize("option", ["plain", "depth2-pruned", "part1-only", "whole"])
@@ -282,7 +291,7 @@ def test_adaptive_merged_sampling_is_seed_exact(case):
     ids, mask = ragged_batch([40, 29], seed=3, period=7)
     kw = dict(max_new_tokens=NEW, temperature=1.0, top_p=0.9, seed=1234, attention_mask=mask)
     want = SpeculativeDecoder(target, None).generate(ids, **kw).sequences
-    budget = AdaptiveBudget(explore_every=3, budgets=(2, 4, 8), depths=(2,))
+    budget = AdaptiveBudget(explore=1.0, window=4, budgets=(2, 4, 8), depths=(2,))
     budget.costs = unit_costs(default_options(spec, (2, 4, 8), (2,)), per_node=0.3)
     out = SpeculativeDecoder(target, make(target), tree_shape=spec, budget=budget).generate(ids, **kw)
     assert_same_tokens(out.sequences, want)
@@ -297,7 +306,7 @@ def test_cost_model_fit_roundtrip_and_choice(tmp_path):
     a, b = fit_line([(0, 1.0), (10, -5.0)])  # never a falling cost
     assert a >= 0 and b >= 0
     spec = TreeSpec((4, 4))
-    budget = AdaptiveBudget(budgets=(2, 8), depths=(1,), explore_every=0)
+    budget = AdaptiveBudget(budgets=(2, 8), depths=(1,), explore=0.0)
     budget.bind(spec)
     labels = [o.label for o in budget.options]
     assert labels == ["plain", "4/2", "4/5", "4-4/2", "4-4/8", "4-4/9"]
@@ -309,27 +318,32 @@ def test_cost_model_fit_roundtrip_and_choice(tmp_path):
     realised = [1.0, 1.2, 1.9, 1.3, 2.8, 3.2]
     seen = [True] * 6
 
-    def choose(context, realised=realised, seen=seen, since=0):
-        index, explored = budget.choose(context, 1, realised, seen, since)
-        return labels[index], explored
+    def choose(context, realised=realised, seen=seen, exploration=None):
+        return labels[budget.choose(context, 1, realised, seen, exploration or Exploration([10.0] * 6, 10.0))]
 
     # short context: the whole tree costs about as much as anything else and yields most
-    assert choose(100) == ("4-4/9", False)
+    assert choose(100) == "4-4/9"
     # long context: its attention dominates; a smaller tree wins
-    assert choose(100_000) == ("4-4/8", False)
-    # nothing seen yet: the largest, which scores every option
-    assert choose(100, seen=[False] * 6) == ("4-4/9", True)
-    # time to explore: the cheapest option whose tree surely holds the best's (4-4/8 -> 4-4/9; 4/2 -> 4/5, the
-    # whole depth-1 pool, not 4-4/2, whose two nodes may lie deeper)
-    budget.explore_every = 4
-    assert choose(100_000, since=3) == ("4-4/8", False)
-    assert choose(100_000, since=4) == ("4-4/9", True)
-    assert choose(100_000, realised=[1.0, 3.0, 1.0, 1.0, 1.0, 1.0], since=4) == ("4/5", True)
-    # nothing drafted pays: plain rounds (tau exactly 1), whose neighbour above is the cheapest tree
-    assert choose(100_000, realised=[1.0] * 6) == ("plain", False)
-    assert choose(100_000, realised=[1.0] * 6, since=4) == ("4/2", True)
-    # the largest has no tree above it: nothing to explore
-    assert choose(100, since=4) == ("4-4/9", False)
+    assert choose(100_000) == "4-4/8"
+    # nothing drafted pays: plain rounds (tau exactly 1)
+    assert choose(100_000, realised=[1.0] * 6) == "plain"
+    # nothing seen yet: the largest, which surely holds (so scores) every option; the counts say so
+    ex = Exploration([0.0] * 6)
+    assert choose(100, seen=[False] * 6, exploration=ex) == "4-4/9"
+    assert ex.rounds == 1.0 and ex.scored == [1.0] * 6
+    # 4-4/8 surely holds plain's root and 4-4/2's nodes, not the depth-1 pool's (its 8 of 9 may leave one out)
+    assert choose(100_000, exploration=ex) == "4-4/8"
+    keep = 1.0 - 1.0 / budget.window
+    assert ex.rounds == pytest.approx(1.0 + keep)
+    assert ex.scored == pytest.approx([keep + 1.0, keep, keep, keep + 1.0, keep + 1.0, keep])
+    # optimism: an option not scored lately (its count decayed) is tried again; without the bonus it is not
+    stale = Exploration([10.0, 10.0, 0.01, 10.0, 10.0, 10.0], 10.0)
+    assert choose(100_000, exploration=dataclasses.replace(stale)) == "4-4/8"
+    budget.explore, budget.window = 1.0, 4
+    assert choose(100_000, exploration=dataclasses.replace(stale)) == "4/5"
+    for bad, match in (({"explore": -1.0}, "explore must be"), ({"window": 0}, "window must be")):
+        with pytest.raises(ValueError, match=match):
+            AdaptiveBudget(**bad)
     with pytest.raises(ValueError, match="not a cost model"):
         CostModel.from_json({"verify": 3})
 
@@ -548,8 +562,15 @@ def verify_round(budget, stats, pool, label: str, draws: list[list[int]], active
 
 def test_counterfactual_tau_on_a_hand_built_tree():
     """Each option the verified tree contains is scored by 1 + the accepted path's nodes among its own kept nodes;
-    the others keep their estimate; the running mean moves by REALISED_RATE once an option has been seen."""
+    the others keep their estimate; once an option has been seen the running mean moves towards a new score by
+    R / ((1 - R) * m + R), m the weight behind the mean (R = REALISED_RATE; every verified round multiplies m by
+    1 - R, a score adds R to it)."""
     from longspec.decode.budget import REALISED_RATE, AcceptanceStats
+
+    R = REALISED_RATE
+
+    def weight(m):  # the new score's weight when the mean had weight m before this round
+        return R / ((1 - R) * m + R)
 
     budget, pool = hand_tree()
     labels = [o.label for o in budget.options]
@@ -565,7 +586,7 @@ def test_counterfactual_tau_on_a_hand_built_tree():
     assert verify_round(budget, stats, pool, "2-2/5", draws) == [3, 2]
     new = {"2/2": (2 + 1) / 2, "2/3": (2 + 2) / 2, "2-2/2": (2 + 1) / 2, "2-2/3": (3 + 1) / 2, "2-2/5": (3 + 2) / 2}
     old = {"2/2": 1.5, "2/3": None, "2-2/2": 1.5, "2-2/3": 2.0, "2-2/5": None}
-    want = [1.0] + [new[k] if old[k] is None else old[k] + REALISED_RATE * (new[k] - old[k]) for k in labels[1:]]
+    want = [1.0] + [new[k] if old[k] is None else old[k] + weight(R) * (new[k] - old[k]) for k in labels[1:]]
     torch.testing.assert_close(stats.realised, torch.tensor(want))
     assert stats.seen.tolist() == [False] + [True] * 5
     # an inactive row neither counts nor blocks containment; a round on finished rows only scores nothing
@@ -574,6 +595,7 @@ def test_counterfactual_tau_on_a_hand_built_tree():
     assert torch.equal(stats.realised, before)
     verify_round(budget, stats, pool, "2/3", [[13, 0, 0, 0, 0], [12, 0, 0, 0, 0]], active=(False, True))
     got = stats.realised.tolist()
-    assert got[labels.index("2/3")] == pytest.approx(before[2] + REALISED_RATE * (2 - before[2]))
-    assert got[labels.index("2/2")] == pytest.approx(before[1] + REALISED_RATE * (1 - before[1]))
+    # weights behind the means now: 2/3 first seen last round (R), 2/2 seen in both rounds ((1 - R) R + R)
+    assert got[labels.index("2/3")] == pytest.approx(before[2] + weight(R) * (2 - before[2]))
+    assert got[labels.index("2/2")] == pytest.approx(before[1] + weight((1 - R) * R + R) * (1 - before[1]))
     assert got[labels.index("2-2/3")] == before[4], "node 3 lies outside 2/3's tree: not contained"
