@@ -191,7 +191,7 @@ def _local_bytes(t: torch.Tensor) -> int:
 
 def measure(name: str, contexts: list[int], compiles: list[bool], draft_vocab: int, iters: int, peaks: dict,
             on_row=lambda row: None, tp: bool = False, cuda_graphs: bool = True, device: str = "cuda",
-            numerics: tuple[str, ...] = ("fast",)) -> list:
+            numerics: tuple[str, ...] = ("fast",), tree: tuple[int, ...] = TREE) -> list:
     from longspec import LongSpecDrafter, Numerics, SpeculativeDecoder
     from longspec.model.draft import frequent_tokens
 
@@ -206,7 +206,7 @@ def measure(name: str, contexts: list[int], compiles: list[bool], draft_vocab: i
     for compile, mode in [(c, n) for c in compiles for n in numerics]:
         num = Numerics[mode.upper()]
         plain = SpeculativeDecoder(target, None, cuda_graphs=cuda_graphs, compile=compile, numerics=num)
-        spec = SpeculativeDecoder(target, LongSpecDrafter(draft), tree_shape=TREE, cuda_graphs=cuda_graphs,
+        spec = SpeculativeDecoder(target, LongSpecDrafter(draft), tree_shape=tree, cuda_graphs=cuda_graphs,
                                   compile=compile, numerics=num)
         T = spec.tree.num_nodes
         for context in contexts:
@@ -222,7 +222,7 @@ def measure(name: str, contexts: list[int], compiles: list[bool], draft_vocab: i
                    "first_round_decode_s": d["first_round_s"], "first_round_spec_s": s["first_round_s"]}
             if reduced is not None:
                 draft.set_draft_vocab(reduced)
-                spec_r = SpeculativeDecoder(target, LongSpecDrafter(draft), tree_shape=TREE,
+                spec_r = SpeculativeDecoder(target, LongSpecDrafter(draft), tree_shape=tree,
                                             cuda_graphs=cuda_graphs, compile=compile, numerics=num)
                 r = round_times(spec_r, context, iters)
                 row["draft_vocab"] = draft_vocab
@@ -408,6 +408,9 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=os.environ.get("OUT"), help="default: benchmarks/results/<gpu>/")
     ap.add_argument("--tp", action="store_true", help="under torchrun: the target tensor-parallel over the ranks")
     ap.add_argument("--cuda-graphs", choices=("on", "off"), default="on")
+    ap.add_argument("--tree", type=int, nargs="+", default=list(TREE),
+                    help="nodes per depth of the LongSpec tree (default 4 16 16 16 16: 69 nodes with the root; "
+                         "4 16 16 16 11 is 64, one 64-row tile of the invariant linears)")
     ap.add_argument("--numerics", choices=("fast", "invariant", "both"), default="fast",
                     help="the target's numerics (longspec.Numerics); both: fast and invariant rows in one run")
     ap.add_argument("--adaptive", action="store_true",
@@ -425,6 +428,8 @@ def main(argv=None) -> None:
     if a.adaptive:
         if a.tp:
             raise SystemExit("--adaptive times one GPU")
+        if tuple(a.tree) != TREE:
+            ap.error("argument --tree: --adaptive times its own options over the default tree")
         rows = []
 
         def on_adaptive_row(row):
@@ -438,7 +443,10 @@ def main(argv=None) -> None:
             torch.cuda.empty_cache()
         return
     peaks = measure_peaks()
-    meta = {"tree": "-".join(map(str, TREE)), "copy TB/s": round(peaks["copy_bytes_per_s"] / 1e12, 2)}
+    tree = tuple(a.tree)
+    if not tree or min(tree) < 1:
+        ap.error(f"argument --tree: nodes per depth must be >= 1, got {a.tree}")
+    meta = {"tree": "-".join(map(str, tree)), "copy TB/s": round(peaks["copy_bytes_per_s"] / 1e12, 2)}
     if a.tp:
         meta["tensor_parallel"] = world
     suite = f"step_latency_tp{world}" if a.tp else "step_latency"
@@ -452,7 +460,7 @@ def main(argv=None) -> None:
     for name in a.models:
         vocab_size = a.draft_vocab if name != "pair" else min(a.draft_vocab, 2048)
         measure(name, a.contexts, compiles, vocab_size, a.iters, peaks, on_row, tp=a.tp,
-                cuda_graphs=a.cuda_graphs == "on", device=device, numerics=numerics)
+                cuda_graphs=a.cuda_graphs == "on", device=device, numerics=numerics, tree=tree)
         torch.cuda.empty_cache()
     if _main_rank():
         print((write(rows, meta, a.out, suite=suite) / f"{suite}.md").read_text(), flush=True)
