@@ -283,6 +283,32 @@ def test_every_option_kind_is_exact(option):
     assert set(out.stats.nodes_per_round) == {chosen.nodes} and set(out.stats.option_per_round) == {chosen.label}
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_random_option_switches_are_exact(temperature):
+    """Whatever option follows whatever (the choice replaced by a seeded random one: plain rounds on the decode path
+    between pruned, cut, one-part and whole merged trees), greedy output is transformers' and seeded sampling is
+    the plain sampler's."""
+    import random
+
+    target = tiny_target(FAMILY)
+    make, spec = DRAFTERS["longspec+pld"]
+    if temperature == 0.0:
+        ids, mask, want, scores = greedy_reference()
+        kw = dict(max_new_tokens=NEW, attention_mask=mask)
+    else:
+        ids, mask = ragged_batch([40, 29], seed=3, period=7)
+        kw = dict(max_new_tokens=NEW, temperature=1.0, top_p=0.9, seed=1234, attention_mask=mask)
+        want, scores = SpeculativeDecoder(target, None).generate(ids, **kw).sequences, None
+    for seed in range(2):
+        rng = random.Random(seed)
+        budget = AdaptiveBudget(budgets=(2, 4, 8), depths=(2,))
+        budget.costs = unit_costs(default_options(spec, (2, 4, 8), (2,)), per_node=0.3)
+        budget.choose = lambda *args, rng=rng, budget=budget: rng.randrange(len(budget.options))
+        out = SpeculativeDecoder(target, make(target), tree_shape=spec, budget=budget).generate(ids, **kw)
+        assert len(set(out.stats.option_per_round)) >= 4
+        assert_same_tokens(out.sequences, want, scores, start=ids.shape[1])
+
+
 @pytest.mark.parametrize("case", ["longspec+pld"])
 def test_adaptive_merged_sampling_is_seed_exact(case):
     """With a seed, the adaptive merged drafter emits exactly the plain sampler's tokens."""

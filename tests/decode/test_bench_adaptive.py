@@ -15,7 +15,7 @@ def test_adaptive_benchmark_smoke(tmp_path):
     the adaptive row reports its nodes and predicted tau, and the projection writes a loadable cost model."""
     cmd = [sys.executable, "-m", "benchmarks.bench_adaptive", "--smoke", "--out", str(tmp_path)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[2],
-                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "LONGSPEC_CACHE_DIR": str(tmp_path / "cache")})
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads((tmp_path / "adaptive.json").read_text())["rows"]
     assert {r["method"] for r in rows} == {"plain", "PLD chain", "LongSpec tree", "LongSpec chain",

@@ -67,3 +67,34 @@ def test_match_must_end_before_the_root_and_respect_min_ngram():
     assert tree.tokens[0].tolist() == [4, 9, 2]
     tree = PromptLookupDrafter(max_ngram=1, min_ngram=1).propose(state_for([row]), spec)
     assert tree.tokens[0].tolist() == [4, 8, 3]  # most recent 1-gram match: "4" at index 5
+
+
+def test_chain_fast_path_equals_the_trie():
+    """A chain spec takes ``_chain``, which must build exactly the trie's tree: random candidates (several per row,
+    some running out of context early, some sharing prefixes, rows with none found), every depth."""
+    from longspec.decode.pld import _chain, _trie
+
+    g = torch.Generator().manual_seed(0)
+    for depth in (1, 2, 5, 8):
+        spec = TreeSpec((1,) * depth)
+        for K in (1, 3):
+            B = 16
+            root = torch.randint(0, 5, (B,), generator=g)
+            cont = torch.randint(0, 3, (B, K, depth), generator=g)  # a small vocabulary: many shared prefixes
+            length = torch.randint(0, depth + 1, (B, K), generator=g)  # valid for the first `length` steps
+            found = torch.rand(B, K, generator=g) < 0.8
+            valid = found[:, :, None] & (torch.arange(depth)[None, None, :] < length[:, :, None])
+            valid[:4] |= torch.rand(4, K, depth, generator=g) < 0.5  # and a few rows with gaps
+            want, got = _trie(root, cont, valid, spec), _chain(root, cont, valid, spec)
+            assert torch.equal(got.tokens, want.tokens) and torch.equal(got.parents, want.parents)
+            assert torch.equal(got.scores, want.scores), (depth, K)
+    # and through propose: a chain spec's tree is the trie's
+    row = [7, 8, 9, 1, 2, 3, 3, 7, 8, 9, 4, 5, 6, 0, 8, 9, 11, 7, 8, 9]
+    state, spec = state_for([row, row[:12]]), TreeSpec((1,) * 6)
+    pld = PromptLookupDrafter()
+    tree = pld.propose(state, spec)
+    ctx, last = state.tokens, state.seqlens.to(torch.int64)
+    top, start = torch.topk(pld._start_scores(ctx, last), 1, dim=1)
+    cont, valid = pld._continuations(ctx, last, start, top >= 0, spec.depth)
+    want = _trie(state.root, cont, valid, spec)
+    assert torch.equal(tree.tokens, want.tokens) and torch.equal(tree.scores, want.scores)
