@@ -56,7 +56,7 @@ import torch
 from torch import Tensor
 
 from .drafter import DraftTree, TreeSpec
-from .tree import kept_nodes, select_nodes
+from .tree import select_nodes
 
 SCORE_BUCKET = 0.75  # nats per draft-score bucket: bucket k holds log-probabilities in (-(k+1) * 0.75, -k * 0.75]
 NUM_BUCKETS = 16  # the last bucket also takes everything below -11.25, -inf included
