@@ -426,7 +426,7 @@ class AdaptiveBudget:
             # the bonus in units of what drafting has gained at best so far (a quarter token at least): where every
             # draft is poor (a weak pair at T = 1) exploring is worth little, where one drafter copies whole lines
             # (prompt lookup at T = 0) a stale estimate may hide much
-            gain = max(0.25, max(t for t, plain in zip(taus, self._plain) if not plain) - 1.0)
+            gain = max(0.25, max((t for t, plain in zip(taus, self._plain) if not plain), default=1.0) - 1.0)
             bonus = self.explore * gain
             rates = [1.0 / max(a + b * context, 1e-9) if plain else
                      (tau + bonus * math.sqrt(log_n / max(n, floor))) / max(a + b * context, 1e-9)

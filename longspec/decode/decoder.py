@@ -487,20 +487,28 @@ class SpeculativeDecoder:
         return wait
 
     def _round(self, run: Run, timer: PhaseTimer, streamer: Optional[Streamer], option: Optional[int] = None) -> None:
-        """One round on the device: [draft,] target forward, tail. No host sync (the caller reads ``active``)."""
-        if self.drafter is None:
+        """One round on the device: [draft,] target forward, tail. No host sync (the caller reads ``active``).
+
+        A plain round (no drafter, or a budget's plain option under ``KVUpdate.COMMIT``) is the decode forward and
+        the plain tail: no tree, no scoring; a drafter sitting it out catches up (``observe``) or is marked stale."""
+        index = None if self.drafter is None else self._choose(run) if option is None else option
+        if self.drafter is None or (index is not None and self.budget.options[index].spec is None
+                                    and self.kv_update is KVUpdate.COMMIT):
+            if self.drafter is not None:
+                if hasattr(self.drafter, "observe"):
+                    with timer.phase("draft"):
+                        self.drafter.observe(run.state, self.tree)
+                else:
+                    run.stale = True  # it will miss this round's tokens
             with timer.phase("verify"):
                 logits = self._forward("decode", self._decode_logits)(run.state.root[:, None])
             with timer.phase("accept"):
                 emitted, kept = self._tail(run, "plain", logits)
+            if index is not None:
+                run.nodes.append(1)
+                run.options.append(self.budget.options[index].label)
+                run.predicted.append(torch.ones((), device=kept.device))
         else:
-            index = self._choose(run) if option is None else option
-            if index is not None and self.budget.options[index].spec is None and self.kv_update is KVUpdate.COMMIT:
-                emitted, kept = self._plain_round(run, timer)
-                run.history.append(kept.clone())
-                if streamer is not None:
-                    streamer(emitted, kept)
-                return
             with timer.phase("draft"):
                 draft, predicted, scoring = self._draft(run, index)
             with timer.phase("verify"):
@@ -518,23 +526,6 @@ class SpeculativeDecoder:
         run.history.append(kept.clone())  # under graphs `kept` is the tail's static output, rewritten next round
         if streamer is not None:
             streamer(emitted, kept)
-
-    def _plain_round(self, run: Run, timer: PhaseTimer) -> tuple[Tensor, Tensor]:
-        """A budget's plain option as plain decoding runs it (the decode forward and the plain tail: no tree, no
-        scoring), the drafter catching up (``observe``) or marked stale. ``(emitted, kept)`` as :meth:`_tail`."""
-        if hasattr(self.drafter, "observe"):
-            with timer.phase("draft"):
-                self.drafter.observe(run.state, self.tree)
-        else:
-            run.stale = True  # it will miss this round's tokens
-        with timer.phase("verify"):
-            logits = self._forward("decode", self._decode_logits)(run.state.root[:, None])
-        with timer.phase("accept"):
-            emitted, kept = self._tail(run, "plain", logits)
-        run.nodes.append(1)
-        run.options.append("plain")
-        run.predicted.append(torch.ones((), device=kept.device))
-        return emitted, kept
 
     def _choose(self, run: Run) -> Optional[int]:
         """The budget's option for this round (None: the fixed tree), from what the last sync read."""

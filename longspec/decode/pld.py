@@ -51,8 +51,8 @@ class PromptLookupDrafter:
         k = min(max(tree.shape), score.shape[1])
         top, start = torch.topk(score, k, dim=1)  # [B, K] best continuation starts
         cont, valid = self._continuations(ctx, last, start, top >= 0, tree.depth)
-        if max(tree.shape) == 1:
-            return _chain(state.root, cont, valid, tree)
+        if max(tree.shape) == 1:  # a chain: k = 1, one candidate
+            return _chain(state.root, cont[:, 0], valid[:, 0])
         return _trie(state.root, cont, valid, tree)
 
     def _start_scores(self, ctx: Tensor, last: Tensor) -> Tensor:
@@ -120,32 +120,18 @@ def _trie(root: Tensor, cont: Tensor, valid: Tensor, tree: TreeSpec) -> DraftTre
     return DraftTree(tokens[:, :T], parents[:, :T], scores=scores[:, :T])
 
 
-def _chain(root: Tensor, cont: Tensor, valid: Tensor, tree: TreeSpec) -> DraftTree:
-    """:func:`_trie` for a chain (one node per depth), in a third of its operators: the same tokens, parents and
-    scores (``tests/decode/test_pld.py`` checks them against it). Node d's token is the first live candidate's
-    token at depth d (the live candidates: those valid there whose tokens so far are the chain's), its score the
-    log of the live share that agrees with it; with no live candidate it repeats node d - 1's token, score -inf."""
-    B, K, D = cont.shape
-    parents = torch.arange(-1, tree.depth, device=cont.device).expand(B, -1)
-    if K == 1:  # what propose passes (one candidate per row for a chain): no loop over depths
-        ok = valid[:, 0, :].to(torch.int8).cummin(dim=1).values.bool()  # live through depth d
-        seq = torch.cat([root[:, None], cont[:, 0, :]], dim=1)
-        repeat = seq.gather(1, ok.sum(dim=1, keepdim=True))  # the last live token (the root when none)
-        tokens = torch.cat([root[:, None], torch.where(ok, cont[:, 0, :], repeat)], dim=1)
-        scores = torch.where(ok, 0.0, float("-inf"))
-        return DraftTree(tokens, parents, scores=torch.cat([torch.zeros(B, 1, device=cont.device), scores], dim=1))
-    tokens, scores = [root], [torch.zeros(B, device=cont.device)]
-    alive = valid[:, :, 0]
-    found = alive.sum(dim=1).clamp(min=1)
-    for d in range(1, tree.depth + 1):
-        live = alive & valid[:, :, d - 1]
-        first = live.to(torch.int8).argmax(dim=1, keepdim=True)  # the best live candidate (0 when none)
-        any_live = live.any(dim=1)
-        tok = torch.where(any_live, cont[:, :, d - 1].gather(1, first)[:, 0], tokens[-1])
-        alive = live & (cont[:, :, d - 1] == tok[:, None])
-        tokens.append(tok)
-        scores.append(torch.where(any_live, torch.log(alive.sum(dim=1) / found), float("-inf")))
-    return DraftTree(torch.stack(tokens, dim=1), parents, scores=torch.stack(scores, dim=1))
+def _chain(root: Tensor, cont: Tensor, valid: Tensor) -> DraftTree:
+    """:func:`_trie` for a chain (one node per depth) from its one candidate ``cont`` / ``valid`` ``[B, depth]`` (a
+    chain spec keeps the best start only), without the trie's loop over depths: the same tokens, parents and
+    scores (``tests/decode/test_pld.py`` checks them against it). Node d is the candidate's token while it is valid
+    through depth d (score 0), else a repeat of the last such token, the root when none (score -inf)."""
+    B, depth = cont.shape
+    ok = valid.to(torch.int8).cummin(dim=1).values.bool()  # valid through depth d
+    repeat = torch.cat([root[:, None], cont], dim=1).gather(1, ok.sum(dim=1, keepdim=True))
+    tokens = torch.cat([root[:, None], torch.where(ok, cont, repeat)], dim=1)
+    scores = torch.cat([torch.zeros(B, 1, device=cont.device), torch.where(ok, 0.0, float("-inf"))], dim=1)
+    parents = torch.arange(-1, depth, device=cont.device).expand(B, -1)
+    return DraftTree(tokens, parents, scores=scores)
 
 
 def _fill_level(tokens: Tensor, parents: Tensor, count: Tensor, lo: int, width: int, first_parent: int) -> None:
