@@ -1,9 +1,10 @@
 """Where Numerics.INVARIANT's time goes, and which ``InvariantConfig`` to make the bf16 default (GPU only).
 
-* Linears: every Llama-3-8B projection (q, k/v, o, gate/up, down, the LM head) at M = 1 (decode) and M = 69 (a
-  4-16-16-16-16 verify tree), ``F.linear`` (cuBLAS) against ``invariant_linear`` under the default config and a few
-  variants (tile N/K, the split-K rule, warps/stages); then per config the sum over one forward (32 layers x (q + k
-  + v + o + gate + up + down) + the LM head), so one run shows which config wins overall.
+* Linears: every Llama-3-8B projection (q, k/v, o, gate/up, down, the LM head) at M = 1 (decode), 64 and 69 (a
+  64-node and the 4-16-16-16-16 verify tree), ``F.linear`` (cuBLAS) against ``invariant_linear`` under the default
+  config and a few variants (each M's tile, the N width, the old single tile); then per config the sum over one
+  forward (32 layers x (q + k + v + o + gate + up + down) + the LM head). A variant of one tile changes only the
+  M it serves (tiles keep the bits, so each M may take the fastest).
 * Attention at a 32k cache, Llama-3-8B heads (32 q, 8 kv, D 128): ``invariant_attn`` against
   ``longspec::prefix_attn`` (decode, M = 1) and ``longspec::hybrid_tree_attn`` (the 69-node tree), per layer.
 
@@ -27,27 +28,30 @@ import torch.nn.functional as F
 HIDDEN, INTER, KV, VOCAB, LAYERS = 4096, 14336, 1024, 128256, 32
 LINEARS = [("q_proj", HIDDEN, HIDDEN, 1), ("k/v_proj", HIDDEN, KV, 2), ("o_proj", HIDDEN, HIDDEN, 1),
            ("gate/up_proj", HIDDEN, INTER, 2), ("down_proj", INTER, HIDDEN, 1), ("lm_head", HIDDEN, VOCAB, 0)]
-MS = (1, 69)
+MS = (1, 64, 69)
 HQ, HKV, D, CONTEXT = 32, 8, 128, 32768
 TREE = (4, 16, 16, 16, 16)  # 69 nodes with the root
 
 
 def _configs() -> dict[str, object]:
-    from longspec_ops.kernels.invariant_launch import invariant_config
+    from longspec_ops.kernels.invariant_launch import LinearTile, invariant_config
 
     base = invariant_config(torch.bfloat16)
     r = dataclasses.replace
+    t16, t64, t128 = base.linear_tiles
+
+    def tiles(*t):
+        return r(base, linear_tiles=t)
+
     return {
         "default": base,
-        "no split-K (before)": r(base, linear_split_waves=0),
-        "split 4 waves": r(base, linear_split_waves=4),
-        "N128 K64": r(base, linear_block_n=128),
-        "N128 K128": r(base, linear_block_n=128, linear_block_k=128),
-        "N128 K128 w8 s4": r(base, linear_block_n=128, linear_block_k=128, linear_warps=8, linear_stages=4),
-        "M16 N64 K128": r(base, linear_block_m=16, linear_block_k=128),
-        "M128 w8": r(base, linear_block_m=128, linear_warps=8),
-        "M128 w8 s4": r(base, linear_block_m=128, linear_warps=8, linear_stages=4),
-        "N32 K128": r(base, linear_block_n=32, linear_block_k=128),
+        "one 64-row tile, K step 64 (before)": r(base, linear_tiles=(LinearTile(1 << 62, 64, 64),), linear_k_step=64),
+        "16-row tile s4": tiles(r(t16, stages=4), t64, t128),
+        "16-row tile K64 s4": tiles(r(t16, block_k=64, stages=4), t64, t128),
+        "64-row tile K64": tiles(t16, r(t64, block_k=64), t128),
+        "128-row tile s4": tiles(t16, t64, r(t128, stages=4)),
+        "128-row tile K128": tiles(t16, t64, r(t128, block_k=128)),
+        "N128": r(base, linear_block_n=128),
     }
 
 
@@ -58,15 +62,12 @@ def _attn_configs() -> dict[str, object]:
     r = dataclasses.replace
     return {
         "default": base,
-        "stages 3": r(base, attn_stages=3),
         "split 1024": r(base, split=1024),
-        "split 1024 stages 3": r(base, split=1024, attn_stages=3),
-        "N128": r(base, attn_block_n=128),
-        "N128 w8": r(base, attn_block_n=128, attn_warps=8),
-        "N128 stages 3": r(base, attn_block_n=128, attn_stages=3),
+        "split 4096": r(base, split=4096),
         "M128 w8": r(base, attn_block_m=128, attn_warps=8),
-        "M128 N128 w8": r(base, attn_block_m=128, attn_block_n=128, attn_warps=8),
-        "merge R4 D64": r(base, merge_block_r=4, merge_block_d=64),
+        "M128 w8 s4": r(base, attn_block_m=128, attn_warps=8, attn_stages=4),
+        "M128 w8 s2": r(base, attn_block_m=128, attn_warps=8, attn_stages=2),
+        "merge S8": r(base, merge_block_s=8),
     }
 
 

@@ -6,11 +6,12 @@ choosing a strategy by the row count, attention splitting the keys by the launch
 and bf16 outputs part at near-ties. These kernels fix every reduction order independently of the launch's shape
 (He et al., "Defeating Nondeterminism in LLM Inference", Thinking Machines Lab, 2025):
 
-* ``_linear_kernel`` (+ ``_split_k_sum_kernel``): ``y = x @ W^T (+ b)`` with one tile configuration for every M
-  (:class:`InvariantConfig`), float32 accumulation, the K loop in order; a row's dot products never see another
-  row. Narrow outputs split K into ``SPLIT_K`` fixed ranges (a count chosen from N, K and the device's SM count,
-  never from M), each reduced in order into a float32 partial, and the partials are summed in ascending order by a
-  second kernel (bias and the cast there): the same order for every M.
+* ``_linear_kernel`` (+ ``_split_k_sum_kernel``): ``y = x @ W^T (+ b)``, float32 accumulation, the K loop in
+  order; a row's dot products never see another row. Narrow outputs split K into ``SPLIT_K`` fixed ranges (a count
+  chosen from N, K and the device's SM count, never from M), each reduced in order into a float32 partial, and the
+  partials are summed in ascending order by a second kernel (bias and the cast there): the same order for every M.
+  The launch tile may follow M (:class:`LinearTile`): on tensor cores a row accumulates 16-element K steps in order
+  whatever the tile, so the tile changes speed, not bits.
 * ``_rms_norm_kernel``: one program per row, one block over the hidden size.
 * ``_invariant_split_kernel`` + ``_invariant_merge_kernel``: split-KV attention whose splits start at fixed absolute
   key positions (multiples of ``split``) and whose blocks start at fixed offsets inside them, so key position p
@@ -165,9 +166,12 @@ def _invariant_split_kernel(
     D: tl.constexpr, D_PAD: tl.constexpr, G: tl.constexpr, QPT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)  # query tiles vary fastest: programs of one split share its K/V through L2
-    split = tl.program_id(1)
-    bh = tl.program_id(2)
+    # Query tiles vary fastest (programs of one split share its K/V through L2), then (batch, kv head); splits go
+    # last and from the top down, so the splits holding the tree (the longest programs: per-query blocks) start in
+    # the first wave and the short ones fill in behind them. Which program computes a split changes no bit.
+    pid_t = tl.program_id(0)
+    bh = tl.program_id(1)
+    split = num_splits - 1 - tl.program_id(2)
     b = (bh // HKV).to(tl.int64)
     hk = bh % HKV
 

@@ -1,8 +1,10 @@
 """Launchers of the batch-invariant kernels (:mod:`.invariant`) and their one fixed configuration per dtype.
 
-Invariance holds between launches of the *same* configuration: every tile size below is a function of the dtype
-(and, for attention, of the GQA group size) only, never of M, the committed length or the batch. Overriding
-``config`` is for tests and sweeps; a decoder must use one configuration for its decode and verify forwards.
+Invariance holds between launches of the *same* configuration: every reduction order below (the split-K ranges,
+the attention's splits and blocks) is a function of the dtype (and, for attention, of the GQA group size) only,
+never of M, the committed length or the batch; only the linear's launch tile follows M, which on tensor cores
+changes no bit (:class:`LinearTile`). Overriding ``config`` is for tests and sweeps; a decoder must use one
+configuration for its decode and verify forwards.
 """
 from __future__ import annotations
 
@@ -20,12 +22,31 @@ from .launch import _dot_precision
 
 
 @dataclass(frozen=True)
+class LinearTile:
+    """One launch shape of the invariant linear, used for ``M <= max_m`` rows.
+
+    A tile changes speed, never bits: on tensor cores a row's dot products accumulate in the MMA's 16-element K
+    steps, in ascending order, into one float32 accumulator, whatever the tile's rows (16: ``mma``, 64 / 128:
+    Hopper warpgroup MMAs), K step, warps or stages. Measured bitwise on the H200 over Llama-3-8B's linears
+    (results/h200/NOTES.md, "tiles keep the bits"), and tested on every GPU run
+    (``tests/ops/test_invariant_kernels.py::test_linear_tiles_share_bits``)."""
+
+    max_m: int
+    block_m: int
+    block_k: int
+    warps: int = 4
+    stages: int = 3
+
+
+@dataclass(frozen=True)
 class InvariantConfig:
     """Fixed tiles of the invariant kernels (every field a sweep knob for the GPU benchmark).
 
     Attributes:
-        linear_block_m, linear_block_n, linear_block_k: the GEMM tile (M rows x N outputs x K step).
-        linear_warps, linear_stages: its Triton launch options.
+        linear_tiles: launch shapes of the linear by row count (:class:`LinearTile`; the first whose ``max_m``
+            covers M, else the last). Their ``block_k`` must divide ``linear_k_step``.
+        linear_block_n: outputs per linear program (every tile).
+        linear_k_step: the split-K ranges are multiples of it (the one reduction order every tile follows).
         linear_split_waves: the split-K rule (:func:`linear_split_k`): when the ``cdiv(N, linear_block_n)`` output
             tiles of an M = 1 call fill less than one wave of the device's SMs, K is split so that the M = 1 call
             has about ``linear_split_waves`` waves of programs; 0 never splits.
@@ -39,11 +60,10 @@ class InvariantConfig:
             merged per step (one fixed-shape reduction; the steps in ascending order).
     """
 
-    linear_block_m: int = 64
+    linear_tiles: tuple[LinearTile, ...] = (LinearTile(16, 16, 128), LinearTile(64, 64, 128),
+                                            LinearTile(1 << 62, 128, 64, warps=8))
     linear_block_n: int = 64
-    linear_block_k: int = 64
-    linear_warps: int = 4
-    linear_stages: int = 3
+    linear_k_step: int = 128
     linear_split_waves: int = 2
     linear_split_k: Optional[int] = None
     attn_block_m: int = 64
@@ -56,15 +76,22 @@ class InvariantConfig:
     merge_block_d: int = 32
 
     def __post_init__(self) -> None:
-        for name in ("linear_block_m", "linear_block_n", "linear_block_k", "attn_block_m", "attn_block_n",
-                     "merge_block_d"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"InvariantConfig.{name} must be a power of two >= 16, got {value}")
+        for name in ("linear_block_n", "linear_k_step", "attn_block_m", "attn_block_n", "merge_block_d"):
+            _check_pow2(f"InvariantConfig.{name}", getattr(self, name), 16)
         for name in ("merge_block_r", "merge_block_s"):
-            value = getattr(self, name)
-            if value < 2 or value & (value - 1):
-                raise ValueError(f"InvariantConfig.{name} must be a power of two >= 2, got {value}")
+            _check_pow2(f"InvariantConfig.{name}", getattr(self, name), 2)
+        if not self.linear_tiles or not all(isinstance(t, LinearTile) for t in self.linear_tiles):
+            raise ValueError(f"InvariantConfig.linear_tiles must be a non-empty tuple of LinearTile, "
+                             f"got {self.linear_tiles!r}")
+        for i, tile in enumerate(self.linear_tiles):
+            _check_pow2(f"InvariantConfig.linear_tiles[{i}].block_m", tile.block_m, 16)
+            _check_pow2(f"InvariantConfig.linear_tiles[{i}].block_k", tile.block_k, 16)
+            if self.linear_k_step % tile.block_k:
+                raise ValueError(f"InvariantConfig.linear_tiles[{i}].block_k ({tile.block_k}) must divide "
+                                 f"linear_k_step ({self.linear_k_step})")
+            if i and tile.max_m <= self.linear_tiles[i - 1].max_m:
+                raise ValueError(f"InvariantConfig.linear_tiles must have increasing max_m, got "
+                                 f"{[t.max_m for t in self.linear_tiles]}")
         if self.linear_split_waves < 0:
             raise ValueError(f"InvariantConfig.linear_split_waves must be >= 0, got {self.linear_split_waves}")
         if self.linear_split_k is not None and self.linear_split_k < 1:
@@ -73,18 +100,27 @@ class InvariantConfig:
             raise ValueError(f"InvariantConfig.split must be a positive multiple of attn_block_n "
                              f"({self.attn_block_n}), got {self.split}")
 
+    def linear_tile(self, m: int) -> LinearTile:
+        """The launch shape for ``m`` rows."""
+        return next((t for t in self.linear_tiles if m <= t.max_m), self.linear_tiles[-1])
 
-# 16-bit inputs use tensor cores (64-row tiles: one Hopper warpgroup MMA); float32 runs IEEE dots on FMA units and
-# takes small tiles. Split-K (linear_split_waves) fills the SMs at M = 1 for narrow outputs. Swept on the H200
-# (`python -m benchmarks.sweep_invariant`, results/h200/invariant_sweep.md): over Llama-3-8B's linears this default
-# sums to 1.18x / 1.41x cuBLAS at M = 1 / 69, the best of seven configs at M = 69 (16-row tiles were best at M = 1,
-# 1.03x, but 2.1x at M = 69; one config must serve both; 128-row tiles with 8 warps: 1.30x at M = 69 but 1.40x at
-# M = 1, invariant_sweep_linears_m128.log). Attention (`--no-linears`, invariant_attention_sweep.md): 3 stages over
-# 2048-key splits, 46 / 131 us per layer at M = 1 / 69 (32k; 2 stages 62 / 156, 1024-key splits 43 / 156, 128-key
-# blocks or 128-row tiles slower at M = 69).
+
+def _check_pow2(name: str, value: int, least: int) -> None:
+    if value < least or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two >= {least}, got {value}")
+
+
+# 16-bit inputs use tensor cores; float32 runs IEEE dots on FMA units and takes small tiles (one tile for every M).
+# Split-K (linear_split_waves) fills the SMs at M = 1 for narrow outputs. The 16-bit linear picks its tile by M
+# (bits unchanged, see LinearTile): 16 rows at decode, 64 up to a 64-node tree, 128 rows over 8 warps above.
+# Swept on the H200 (`python -m benchmarks.sweep_invariant`, results/h200/invariant_sweep.md): summed over
+# Llama-3-8B's linears 5.09 / 5.72 / 6.77 ms at M = 1 / 64 / 69 against cuBLAS's 4.98 / 5.11 / 5.18 (one 64-row
+# tile for every M: 5.87 / 6.01 / 7.33). Attention (`--no-linears`, invariant_attention_sweep.md): 3 stages over
+# 2048-key splits, 42 / 124 us per layer at M = 1 / 69 (32k; fast kernels 38 / 87; 1024-key splits 42 / 134,
+# 4096-key 56 / 145, 128-row tiles with 8 warps 53 / 165).
 _CONFIGS = {
     True: InvariantConfig(),
-    False: InvariantConfig(linear_block_m=32, linear_block_n=32, linear_block_k=32, linear_stages=2,
+    False: InvariantConfig(linear_tiles=(LinearTile(32, 32, 32, stages=2),), linear_block_n=32, linear_k_step=32,
                            attn_block_m=32, attn_block_n=32, attn_stages=1),
 }
 
@@ -99,11 +135,11 @@ _MAX_SPLIT_K = 32  # caps the float32 workspace ([SPLIT_K, M, N]) and the sum ke
 
 
 def linear_split_k(N: int, K: int, cfg: InvariantConfig, sms: int) -> tuple[int, int]:
-    """``(split_k, k_split)``: how many K ranges of ``k_split`` elements (a multiple of ``linear_block_k``; the
+    """``(split_k, k_split)``: how many K ranges of ``k_split`` elements (a multiple of ``linear_k_step``; the
     last range may be shorter) an ``[N, K]`` weight's products are split into. A function of N, K, the config and
     the device's SM count ``sms`` only, never of M: every row of every call on this device reduces in the same
     order."""
-    k_blocks = max(1, _cdiv(K, cfg.linear_block_k))
+    k_blocks = max(1, _cdiv(K, cfg.linear_k_step))
     if cfg.linear_split_k is not None:
         split = cfg.linear_split_k
     else:
@@ -111,7 +147,7 @@ def linear_split_k(N: int, K: int, cfg: InvariantConfig, sms: int) -> tuple[int,
         split = 1 if cfg.linear_split_waves == 0 or n_tiles >= sms else \
             _cdiv(cfg.linear_split_waves * sms, n_tiles)
     split = max(1, min(split, k_blocks, _MAX_SPLIT_K))
-    k_split = _cdiv(k_blocks, split) * cfg.linear_block_k
+    k_split = _cdiv(k_blocks, split) * cfg.linear_k_step
     return max(1, _cdiv(K, k_split)), k_split  # no empty ranges
 
 
@@ -132,12 +168,12 @@ def invariant_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], *,
         # split: float32 partials [split_k, M, N], summed in order by _split_k_sum_kernel (bias and cast there)
         dst = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else y
         b = bias if bias is not None else weight
-        grid = (_cdiv(M, cfg.linear_block_m) * _cdiv(N, cfg.linear_block_n), split_k)
+        tile = cfg.linear_tile(M)
+        grid = (_cdiv(M, tile.block_m) * _cdiv(N, cfg.linear_block_n), split_k)
         _linear_kernel[grid](
             x2, weight, b, dst, M, N, K, k_split, x2.stride(0), weight.stride(0),
-            HAS_BIAS=bias is not None, SPLIT=split_k > 1, BLOCK_M=cfg.linear_block_m, BLOCK_N=cfg.linear_block_n,
-            BLOCK_K=cfg.linear_block_k, DOT_PRECISION=_dot_precision(x.dtype),
-            num_warps=cfg.linear_warps, num_stages=cfg.linear_stages,
+            HAS_BIAS=bias is not None, SPLIT=split_k > 1, BLOCK_M=tile.block_m, BLOCK_N=cfg.linear_block_n,
+            BLOCK_K=tile.block_k, DOT_PRECISION=_dot_precision(x.dtype), num_warps=tile.warps, num_stages=tile.stages,
         )
         if split_k > 1:
             _split_k_sum_kernel[(_cdiv(M * N, _SUM_BLOCK),)](dst, b, y, M * N, N, split_k,
@@ -183,7 +219,7 @@ def invariant_attn(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: T
     dep = depths.to(torch.int32).contiguous()
     ws_o = torch.empty((B * Hkv, num_splits, R, D), dtype=torch.float32, device=q.device)
     ws_lse = torch.empty((B * Hkv, num_splits, R), dtype=torch.float32, device=q.device)
-    _invariant_split_kernel[(_cdiv(M, qpt), num_splits, B * Hkv)](
+    _invariant_split_kernel[(_cdiv(M, qpt), B * Hkv, num_splits)](
         q, k_cache, v_cache, seqlens, anc, dep, ws_o, ws_lse,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

@@ -10,6 +10,8 @@ at model sizes.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -18,8 +20,8 @@ pytest.importorskip("triton")
 from longspec.decode.drafter import TreeSpec  # noqa: E402
 from longspec.decode.tree import tree_mask_from_parents  # noqa: E402
 from longspec.model.invariant import tree_ancestors  # noqa: E402
-from longspec_ops.kernels.invariant_launch import (InvariantConfig, invariant_attn, invariant_linear,  # noqa: E402
-                                                   linear_split_k, rms_norm)
+from longspec_ops.kernels.invariant_launch import (InvariantConfig, LinearTile, invariant_attn,  # noqa: E402
+                                                   invariant_linear, linear_split_k, rms_norm)
 from longspec_ops.reference import invariant as ref  # noqa: E402
 
 from .test_triton_kernels import DEVICE, INTERPRET, _check, _interpreter_loop_bounds  # noqa: E402,F401
@@ -27,8 +29,9 @@ from .test_triton_kernels import DEVICE, INTERPRET, _check, _interpreter_loop_bo
 DTYPES = [torch.float16, torch.float32] + ([] if INTERPRET else [torch.bfloat16])
 # Small tiles and splits so that a short cache spans many splits and the trees cross split and block boundaries;
 # the merge takes 2 splits a step (rows end mid-step) and 16 of the head dimension's columns per program.
-SMALL = InvariantConfig(linear_block_m=16, linear_block_n=16, linear_block_k=16, attn_block_m=16, attn_block_n=16,
-                        split=32, merge_block_s=2, merge_block_d=16)
+SMALL = InvariantConfig(linear_tiles=(LinearTile(1, 16, 16), LinearTile(16, 16, 32), LinearTile(1 << 62, 32, 16)),
+                        linear_block_n=16, linear_k_step=32, attn_block_m=16, attn_block_n=16, split=32,
+                        merge_block_s=2, merge_block_d=16)
 
 
 @pytest.fixture
@@ -40,8 +43,14 @@ def _row_local_dot(monkeypatch):
     from triton.runtime import interpreter
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        rows = [np.matmul(a.data[i:i + 1], b.data, dtype=d.data.dtype) for i in range(a.data.shape[0])]
-        return interpreter.TensorHandle(np.concatenate(rows, 0) + d.data, d.dtype.scalar)
+        # as tensor cores: 16-element K steps added in order to the accumulator, so the tile's K width (and rows)
+        # cannot change a row's bits
+        acc = d.data
+        for k0 in range(0, a.data.shape[1], 16):
+            rows = [np.matmul(a.data[i:i + 1, k0:k0 + 16], b.data[k0:k0 + 16], dtype=d.data.dtype)
+                    for i in range(a.data.shape[0])]
+            acc = acc + np.concatenate(rows, 0)
+        return interpreter.TensorHandle(acc, d.dtype.scalar)
 
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
 
@@ -54,10 +63,11 @@ def _rand(*shape, dtype, seed):
 TOL = {torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2), torch.float32: (1e-5, 1e-5)}
 
 
-# Linear configs: the table's (split-K by the rule: under the interpreter a nominal 4 SMs, so these small N split),
-# small tiles (split by the rule), split-K off, and a forced uneven split (5 K blocks of 16 in 3 ranges of 32).
+# Linear configs: the table's (tiles by M; K = 72 is one 128-wide K step, so no split), small tiles by M (split by the
+# rule: under the interpreter a nominal 4 SMs, so these small N split), split-K off, and a forced uneven split (5 K
+# blocks of 16 in 3 ranges of 32).
 NO_SPLIT = InvariantConfig(linear_split_waves=0)
-FORCED = InvariantConfig(linear_block_m=16, linear_block_n=16, linear_block_k=16, linear_split_k=3)
+FORCED = InvariantConfig(linear_tiles=(LinearTile(1, 16, 16),), linear_block_n=16, linear_k_step=16, linear_split_k=3)
 LINEAR_CONFIGS = [None, SMALL, NO_SPLIT, FORCED]
 LINEAR_IDS = ["table", "small", "nosplit", "forced3"]
 
@@ -65,17 +75,17 @@ LINEAR_IDS = ["table", "small", "nosplit", "forced3"]
 def test_linear_split_rule():
     """The split count is a function of (N, K, config, SMs): at Llama-3-8B's shapes on a 132-SM GPU narrow outputs
     get 1 .. 4 waves of programs at M = 1, each range a multiple of BLOCK_K, and the LM head is not split."""
-    for cfg in (InvariantConfig(), InvariantConfig(linear_block_n=128, linear_block_k=128)):
+    for cfg in (InvariantConfig(), InvariantConfig(linear_block_n=128)):
         for N, K in ((4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (128256, 4096)):
             split, k_split = linear_split_k(N, K, cfg, 132)
             tiles = -(-N // cfg.linear_block_n)
-            assert k_split % cfg.linear_block_k == 0 and (split - 1) * k_split < K <= split * k_split
+            assert k_split % cfg.linear_k_step == 0 and (split - 1) * k_split < K <= split * k_split
             if tiles >= 132:
                 assert split == 1, (N, K)
             else:
                 assert 132 <= tiles * split <= 4 * 132, (N, K, split)
     assert linear_split_k(40, 72, SMALL, 4) == (3, 32)  # the CPU tests below do split
-    assert linear_split_k(40, 72, InvariantConfig(), 4) == (2, 64)
+    assert linear_split_k(40, 72, InvariantConfig(), 4) == (1, 128)
     assert linear_split_k(40, 72, NO_SPLIT, 4)[0] == 1 and linear_split_k(40, 72, FORCED, 4) == (3, 32)
 
 
@@ -125,6 +135,33 @@ def test_linear_row_invariance(dtype, config):
     for m in (0, 17, 73):
         alone = invariant_linear(x[1, m:m + 1], w, b, config=config)
         assert torch.equal(alone[0], wide[m]) and torch.equal(wide[m], batch[1, m])
+
+
+@pytest.mark.usefixtures("_row_local_dot")
+@pytest.mark.parametrize("config", [None, SMALL], ids=["table", "small"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_tiles_share_bits(dtype, config):
+    """Each of a config's tiles, forced for every M, gives every row the same bits: the tile is chosen by M, so
+    decode and verify launch different tiles. On CUDA at Llama-3-8B's q/k/v widths, split (N = 1024) and not (N =
+    14336); under the interpreter with small shapes and the tensor cores' K-step order (``_row_local_dot``)."""
+    cfg = config or InvariantConfig()
+    shapes = [(40, 72), (40, 200)] if INTERPRET else [(1024, 4096), (14336, 4096), (4096, 14336)]
+    for N, K in shapes:
+        x, w = _rand(74, K, dtype=dtype, seed=10), _rand(N, K, dtype=dtype, seed=11) * K ** -0.5
+        want = invariant_linear(x, w, None, config=cfg)
+        for tile in cfg.linear_tiles:
+            forced = dataclasses.replace(cfg, linear_tiles=(dataclasses.replace(tile, max_m=1 << 62),))
+            assert torch.equal(invariant_linear(x, w, None, config=forced), want), (N, K, tile)
+            assert torch.equal(invariant_linear(x[5:6], w, None, config=forced), want[5:6]), (N, K, tile)
+
+
+def test_linear_tile_choice():
+    cfg = InvariantConfig()
+    assert [cfg.linear_tile(m).block_m for m in (1, 16, 17, 64, 65, 74, 4096)] == [16, 16, 64, 64, 128, 128, 128]
+    with pytest.raises(ValueError, match="linear_tiles\\[1\\].block_k"):
+        InvariantConfig(linear_tiles=(LinearTile(1, 16, 16), LinearTile(8, 16, 256)))
+    with pytest.raises(ValueError, match="increasing max_m"):
+        InvariantConfig(linear_tiles=(LinearTile(8, 16, 16), LinearTile(8, 16, 16)))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
