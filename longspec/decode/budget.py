@@ -375,6 +375,7 @@ class AdaptiveBudget:
         self._stats.clear()
         self._lines = {}
         self._pool_groups: dict[tuple, _PoolGroups] = {}  # (draft key, device) -> the options its pool estimates
+        self._chain_scoring: dict[tuple, tuple[Tensor, Tensor]] = {}  # (option, rows, device) -> within, contained
 
     def cost_file(self, decoder) -> Path:
         """Where this decoder's calibration is kept: keyed by the device, dtype, model shape, drafter, tree, options
@@ -453,7 +454,6 @@ class AdaptiveBudget:
         by estimate in one batched stable sort over ``[groups, B, P]``; option m keeps the first ``nodes`` of its
         group's ranking. No Python scalar enters a device tensor: the step runs inside a CUDA-graph capture."""
         option = self.options[index]
-        groups = self._groups(option, pool.depths.device)
         depths = pool.depths
         B, P = depths.shape
         # a single drafter's nodes are all part 0's (bit 0); a drafter without scores vouches for every node
@@ -461,6 +461,9 @@ class AdaptiveBudget:
         sources = torch.ones_like(depths) if pool.sources is None else pool.sources
         pool = dataclasses.replace(pool, scores=scores, sources=sources)
         keys = stats.keys(depths, scores, sources)
+        if all(n == 1 for n in option.spec.shape):
+            return self._shape_chain(stats, pool, keys, index)
+        groups = self._groups(option, pool.depths.device)
         p = stats.estimate(keys)
         p[:, 0] = 1.0  # the root: the bonus token, always emitted
         # capped by every ancestor's: a node never ranks above its parent, so a kept set is ancestor-closed (the
@@ -487,23 +490,55 @@ class AdaptiveBudget:
         contained.index_copy_(0, groups.members, whole)
         return tree, stats.realised[index].clone(), (keys.gather(1, kept), within, contained)
 
+    def _shape_chain(self, stats: AcceptanceStats, pool: DraftTree, keys: Tensor,
+                     index: int) -> tuple[DraftTree, Tensor, tuple[Tensor, Tensor, Tensor]]:
+        """:meth:`shape` for a chain pool (one node per depth; prompt lookup's), in a handful of operators instead
+        of the ranking's ~50 (a round of the pair is launch-bound). Node t's estimate is capped by its ancestors',
+        all of nodes 0 .. t - 1, so the ranking is the chain's own order whatever the statistics: the option keeps
+        nodes 0 .. nodes - 1, and an option it contains (a chain cut to depth d, pruned to n nodes) keeps nodes 0 ..
+        min(d + 1, n) - 1, in every row. ``within`` and ``contained`` are constants of (option, rows), made on the
+        first call (a graph capture's warm-up run)."""
+        option = self.options[index]
+        B, P = pool.depths.shape
+        device = pool.depths.device
+        key = (index, B, device)
+        if key not in self._chain_scoring:
+            within = torch.zeros(B, option.nodes, len(self.options))
+            contained = torch.zeros(len(self.options), dtype=torch.bool)
+            for j, o, _ in self._pooled(option):
+                size = min(o.spec.depth + 1, o.nodes, P)  # option j's kept nodes: the first `size` of the chain
+                within[:, : min(size, option.nodes), j] = 1.0
+                contained[j] = size <= option.nodes
+            self._chain_scoring[key] = (within.to(device), contained.to(device))
+        within, contained = self._chain_scoring[key]
+        tree = pool if option.nodes == P else select_nodes(pool, torch.arange(option.nodes, device=device).expand(B, -1))
+        return tree, stats.realised[index].clone(), (keys[:, : option.nodes], within, contained)
+
     def _groups(self, drafted: BudgetOption, device: torch.device) -> "_PoolGroups":
         """The options whose pools lie inside ``drafted``'s, as index tensors on ``device`` (made on the first
         call, which is a graph capture's warm-up run, outside the capture)."""
         key = (drafted.draft_key, device)
         if key not in self._pool_groups:
             groups: dict[tuple, list] = {}
-            for j, o in enumerate(self.options):
-                if o.spec is None or o.spec.depth > drafted.spec.depth:
-                    continue
-                bits = None
-                if drafted.spec.parts:
-                    bits, theirs = _part_bits(o.spec), _part_bits(drafted.spec)
-                    if bits & ~theirs or any(len(p) > len(q) for p, q in zip(o.spec.parts, drafted.spec.parts)):
-                        continue
+            for j, o, bits in self._pooled(drafted):
                 groups.setdefault((o.spec.depth, bits), []).append((j, o.nodes))
             self._pool_groups[key] = _PoolGroups.build(list(groups.items()), device)
         return self._pool_groups[key]
+
+    def _pooled(self, drafted: BudgetOption) -> list[tuple[int, BudgetOption, Optional[int]]]:
+        """``(index, option, part bits)`` of the options whose pools lie inside ``drafted``'s (bits None for a
+        single drafter's tree)."""
+        out = []
+        for j, o in enumerate(self.options):
+            if o.spec is None or o.spec.depth > drafted.spec.depth:
+                continue
+            bits = None
+            if drafted.spec.parts:
+                bits, theirs = _part_bits(o.spec), _part_bits(drafted.spec)
+                if bits & ~theirs or any(len(p) > len(q) for p, q in zip(o.spec.parts, drafted.spec.parts)):
+                    continue
+            out.append((j, o, bits))
+        return out
 
 
 @dataclass

@@ -525,29 +525,38 @@ def naive_scoring(budget: AdaptiveBudget, stats, pool: DraftTree, index: int, ac
     return torch.tensor(kept), within, contained
 
 
-@pytest.mark.parametrize("label", ["3-4-4|1-1-1-1/8", "3-4-4|1-1-1-1/16", "3-4|1-1/4", "none|1-1-1-1/5", "3-4-4|none/8"])
+@pytest.mark.parametrize("label", ["3-4-4|1-1-1-1/8", "3-4-4|1-1-1-1/16", "3-4|1-1/4", "none|1-1-1-1/5", "3-4-4|none/8",
+                                   "none|1-1-1-1/4", "none|1-1-1-1/2", "none|1-1/3", "chain 1-1-1-1/5",
+                                   "chain 1-1-1-1/2", "chain 1-1/3"])
 def test_shape_scores_the_options_its_tree_contains(label):
     """The batched AdaptiveBudget.shape keeps, per row, the nodes the one-at-a-time reference keeps, and marks the
     same nodes of every option and the same contained options; its keys are the kept nodes' statistics cells and
-    its predicted tau the option's running realised tau."""
+    its predicted tau the option's running realised tau. Chain pools (prompt lookup's, in a merged tree or alone:
+    ``chain``) take the constant-scoring path."""
     from longspec.decode.budget import AcceptanceStats
 
-    spec = TreeSpec.merged((3, 4, 4), (1, 1, 1, 1))
+    single = label.startswith("chain ")
+    spec = TreeSpec((1, 1, 1, 1)) if single else TreeSpec.merged((3, 4, 4), (1, 1, 1, 1))
+    label = label.removeprefix("chain ")
     budget = AdaptiveBudget(budgets=(2, 4, 8), depths=(2,))
     budget.bind(spec)
     index = [o.label for o in budget.options].index(label)
     drafted = budget.options[index].spec
     g = torch.Generator().manual_seed(3)
-    stats = AcceptanceStats(2, spec.depth, len(budget.options), torch.device("cpu"))
+    stats = AcceptanceStats(1 if single else 2, spec.depth, len(budget.options), torch.device("cpu"))
     counts = torch.rand(2, stats.proposed.numel(), generator=g) * 10
     stats.proposed.copy_(counts[0] + counts[1])
     stats.accepted.copy_(counts[1])
     stats.realised.copy_(torch.rand(len(budget.options), generator=g) + 1)
     active = torch.tensor([True, False, True])
     for seed in range(3):
-        parts = [distinct_pool(s, 3, seed=10 * seed + i) if s is not None else None
-                 for i, s in enumerate(drafted.part_specs())]
-        pool = merge_trees(torch.zeros(3, dtype=torch.int64), parts, drafted)
+        if single:
+            pool = distinct_pool(drafted, 3, seed=10 * seed)
+            pool = dataclasses.replace(pool, sources=torch.ones_like(pool.depths))
+        else:
+            parts = [distinct_pool(s, 3, seed=10 * seed + i) if s is not None else None
+                     for i, s in enumerate(drafted.part_specs())]
+            pool = merge_trees(torch.zeros(3, dtype=torch.int64), parts, drafted)
         tree, predicted, (keys, within, contained) = budget.shape(stats, pool, index, active)
         kept, want_within, want_contained = naive_scoring(budget, stats, pool, index, active)
         want = select_nodes(pool, kept)
