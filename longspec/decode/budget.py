@@ -29,12 +29,15 @@ calibrated, below). Every option is a static shape, so each replays from its own
 * **Choice** (:meth:`AdaptiveBudget.choose`, on the host, once per round, from the values the round's one sync
   reads): the option with the highest optimistic realised tau per microsecond at the current committed length and
   batch, plain rounds (tau exactly 1, nothing to learn) included. Optimistic as in discounted UCB (Garivier and
-  Moulines, 2011): an option's realised tau plus ``explore * gain * sqrt(log(n) / n_k)``, where n_k counts the
-  recent rounds that scored it (each round's count decays by ``1 - 1 / window``), n the recent rounds and gain the
-  most any option has gained over a plain round (so exploring is cheap where drafts are poor); so an option the
-  chosen trees do not contain (prompt lookup while a LongSpec tree wins) is verified again once its count has
-  decayed enough, and a drafter that stopped paying is dropped after a few rounds. The first round verifies the
-  largest option, which scores every option.
+  Moulines, 2011): an option's realised tau plus ``explore * gain * sqrt(log(n)) * (1 / sqrt(n_k) - 1 /
+  sqrt(window))``, where n_k counts the recent rounds that scored it (each round's count decays by ``1 - 1 /
+  window``, so it reaches ``window`` when every round scores it), n the recent rounds and gain the most any option
+  has gained over a plain round (so exploring is cheap where drafts are poor). An option scored every round gets no
+  bonus (its mean is as fresh as it gets; discounted UCB's constant floor would keep a drafter that falls just
+  short of a plain round verified every round); an option the chosen trees do not contain (prompt lookup while a
+  LongSpec tree wins, any drafter while plain rounds win) is verified again once its count has decayed enough, and
+  a drafter that stopped paying is dropped after a few rounds. The first round verifies the largest option, which
+  scores every option.
 
 Rows of a batch share the option (one forward) but not the tree: each row keeps its own best nodes. Nothing here
 changes what is emitted: every option is a tree verified by the same lossless rule.
@@ -318,9 +321,9 @@ class AdaptiveBudget:
         depths: depth limits to grow pools to (the tree's full depth is always one).
         options: an explicit option list instead of ``budgets`` and ``depths`` (each option's spec must be a
             depth-truncated prefix of the decoder's tree or of one of its parts).
-        explore: the weight of the optimism bonus ``sqrt(log(n) / n_k)``, in units of the best gain drafting has
-            realised so far (the highest tau - 1, a quarter token at least) (0: none; then options the chosen trees
-            do not contain keep their first estimates).
+        explore: the weight of the optimism bonus ``sqrt(log(n)) * (1 / sqrt(n_k) - 1 / sqrt(window))``, in units
+            of the best gain drafting has realised so far (the highest tau - 1, a quarter token at least) (0: none;
+            then options the chosen trees do not contain keep their first estimates).
         window: rounds of memory of the counts behind the bonus (each round's count decays by ``1 - 1 / window``).
         cache_dir: where calibrations are kept (default ``$LONGSPEC_CACHE_DIR`` or ``~/.cache/longspec``).
 
@@ -428,9 +431,13 @@ class AdaptiveBudget:
             # draft is poor (a weak pair at T = 1) exploring is worth little, where one drafter copies whole lines
             # (prompt lookup at T = 0) a stale estimate may hide much
             gain = max(0.25, max((t for t, plain in zip(taus, self._plain) if not plain), default=1.0) - 1.0)
-            bonus = self.explore * gain
+            # the bonus of an option scored every recent round (its count at the window) is 0: its running mean is
+            # as fresh as it gets, so only staleness earns optimism (a constant bonus would keep a drafter that
+            # falls just short of a plain round verified every round)
+            bonus = self.explore * gain * math.sqrt(log_n)
+            fresh = 1.0 / math.sqrt(self.window)
             rates = [1.0 / max(a + b * context, 1e-9) if plain else
-                     (tau + bonus * math.sqrt(log_n / max(n, floor))) / max(a + b * context, 1e-9)
+                     (tau + bonus * max(0.0, 1.0 / math.sqrt(max(n, floor)) - fresh)) / max(a + b * context, 1e-9)
                      for (a, b), tau, plain, n in zip(self._lines[batch], taus, self._plain, exploration.scored)]
             index = max(range(len(rates)), key=rates.__getitem__)  # the first of equals
         keep = 1.0 - 1.0 / self.window

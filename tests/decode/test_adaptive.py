@@ -367,6 +367,13 @@ def test_cost_model_fit_roundtrip_and_choice(tmp_path):
     assert choose(100_000, exploration=dataclasses.replace(stale)) == "4-4/8"
     budget.explore, budget.window = 1.0, 4
     assert choose(100_000, exploration=dataclasses.replace(stale)) == "4/5"
+    # an option scored every recent round (its count at the window) earns no bonus: a drafted option just short of a
+    # plain round (1.09 / 11 us against 1 / 10) loses to it however large explore is, until its count decays
+    budget.explore, budget.window = 5.0, 16
+    short = [1.0, 1.09, 1.0, 1.0, 1.0, 1.0]
+    assert choose(100_000, realised=short, exploration=Exploration([16.0] * 6, 16.0)) == "plain"
+    decayed = Exploration([16.0, 0.5, 16.0, 16.0, 16.0, 16.0], 16.0)
+    assert choose(100_000, realised=short, exploration=decayed) == "4/2"
     for bad, match in (({"explore": -1.0}, "explore must be"), ({"window": 0}, "window must be")):
         with pytest.raises(ValueError, match=match):
             AdaptiveBudget(**bad)
