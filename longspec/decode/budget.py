@@ -518,7 +518,8 @@ class AdaptiveBudget:
                 contained[j] = size <= option.nodes
             self._chain_scoring[key] = (within.to(device), contained.to(device))
         within, contained = self._chain_scoring[key]
-        tree = pool if option.nodes == P else select_nodes(pool, torch.arange(option.nodes, device=device).expand(B, -1))
+        kept = torch.arange(option.nodes, device=device).expand(B, -1)
+        tree = pool if option.nodes == P else select_nodes(pool, kept)
         return tree, stats.realised[index].clone(), (keys[:, : option.nodes], within, contained)
 
     def _groups(self, drafted: BudgetOption, device: torch.device) -> "_PoolGroups":
