@@ -518,8 +518,10 @@ class AdaptiveBudget:
                 contained[j] = size <= option.nodes
             self._chain_scoring[key] = (within.to(device), contained.to(device))
         within, contained = self._chain_scoring[key]
-        kept = torch.arange(option.nodes, device=device).expand(B, -1)
-        tree = pool if option.nodes == P else select_nodes(pool, kept)
+        if option.nodes == P:
+            tree = pool
+        else:
+            tree = select_nodes(pool, torch.arange(option.nodes, device=device).expand(B, -1))
         return tree, stats.realised[index].clone(), (keys[:, : option.nodes], within, contained)
 
     def _groups(self, drafted: BudgetOption, device: torch.device) -> "_PoolGroups":
