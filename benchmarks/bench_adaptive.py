@@ -3,9 +3,10 @@ projection of the adaptive budget at Llama-3-8B shapes.
 
 (a) **Shipped pair** (``longspec.pretrained``, bf16, CUDA graphs): held-out repository-completion prompts (the
 held-out packages of this interpreter's standard library) at each context, T = 0 and T = 1 (seed-exact), decoded by
-plain decoding, prompt lookup (chain of 6), the fixed LongSpec tree (4-16-16-16-16), the fixed LongSpec chain (5)
-and the adaptive merged drafter (LongSpec tree + PLD chain 6 in one tree, :class:`~longspec.AdaptiveBudget` with
-its cost model calibrated on this GPU before the first prompt). Rows: tau, decode tokens/s (prefill excluded),
+plain decoding, prompt lookup (chains of 6 and of 16), the fixed LongSpec tree (4-16-16-16-16), the fixed LongSpec
+chain (5) and the adaptive merged drafter (LongSpec tree + PLD chain 16 in one pool, :class:`~longspec.AdaptiveBudget`
+with its cost model calibrated on this GPU before the first prompt; its options cut the pool, or either part, to
+depth 3 or 6 or none, and prune it to 16 / 32 / 48 nodes or none). Rows: tau, decode tokens/s (prefill excluded),
 speedup over plain decoding and over the best fixed method, whether the output equals plain decoding's, and for the
 adaptive row the mean nodes per round and the mean predicted vs realised tau.
 
@@ -44,9 +45,12 @@ from longspec.testing import first_difference, published_target
 TREE = (4, 16, 16, 16, 16)
 SMOKE_TREE = (2, 2)
 PLAIN, PLD, LONGSPEC_TREE, LONGSPEC_CHAIN = "plain", "PLD chain", "LongSpec tree", "LongSpec chain"
-FIXED = (PLD, LONGSPEC_TREE, LONGSPEC_CHAIN)
+PLD_DEEP = "PLD chain 16"
+FIXED = (PLD, PLD_DEEP, LONGSPEC_TREE, LONGSPEC_CHAIN)
 ADAPTIVE = "adaptive LongSpec+PLD"
-MERGED_BUDGETS, MERGED_DEPTHS = (16, 32, 48), (3,)  # the adaptive merged drafter's options (about twenty)
+# the adaptive merged drafter: the LongSpec tree and a 16-deep PLD chain in one pool, options cut at depths 3, 6 and
+# whole, pruned to 16 / 32 / 48 nodes or whole (23 options with the 4-16-16-16-16 tree)
+MERGED_PLD, MERGED_BUDGETS, MERGED_DEPTHS = 16, (16, 32, 48), (3, 6)
 PROJ_BUDGETS, PROJ_DEPTHS = (4, 8, 16, 32, 48), (3,)  # the projection's options, on the LongSpec tree alone
 
 
@@ -69,20 +73,29 @@ def pair_prompts(tokenizer, contexts, n: int) -> dict[int, tuple[list[torch.Tens
     return out
 
 
-def merged_budget() -> AdaptiveBudget:
-    return AdaptiveBudget(budgets=MERGED_BUDGETS, depths=MERGED_DEPTHS)
+def merged_budget(explore: float = 1.0) -> AdaptiveBudget:
+    return AdaptiveBudget(budgets=MERGED_BUDGETS, depths=MERGED_DEPTHS, explore=explore)
 
 
-def pair_methods(draft, tree: tuple, chain: int) -> dict[str, tuple]:
+def merged_spec(tree: tuple) -> TreeSpec:
+    """The adaptive drafter's pool: the LongSpec tree ``tree`` and a PLD chain of ``MERGED_PLD``."""
+    return TreeSpec.merged(tree, (1,) * MERGED_PLD)
+
+
+def merged_drafter(draft) -> MergedDrafter:
+    return MergedDrafter(LongSpecDrafter(draft), PromptLookupDrafter())
+
+
+def pair_methods(draft, tree: tuple, chain: int, explore: float = 1.0) -> dict[str, tuple]:
     """name -> (drafter factory or None, tree shape, budget factory or None), for a LongSpec tree ``tree``, PLD
-    chains of ``chain + 1`` and LongSpec chains of ``chain``."""
+    chains of ``chain + 1`` and of 16, and LongSpec chains of ``chain``."""
     return {
         PLAIN: (lambda: None, (1,), None),
         PLD: (PromptLookupDrafter, (1,) * (chain + 1), None),
+        PLD_DEEP: (PromptLookupDrafter, (1,) * MERGED_PLD, None),
         LONGSPEC_TREE: (lambda: LongSpecDrafter(draft), tree, None),
         LONGSPEC_CHAIN: (lambda: LongSpecDrafter(draft), (1,) * chain, None),
-        ADAPTIVE: (lambda: MergedDrafter(LongSpecDrafter(draft), PromptLookupDrafter()),
-                   TreeSpec.merged(tree, (1,) * (chain + 1)), merged_budget),
+        ADAPTIVE: (lambda: merged_drafter(draft), merged_spec(tree), lambda: merged_budget(explore)),
     }
 
 
@@ -126,7 +139,7 @@ def decode_all(dec, prompts, new_tokens: int, temperature: float, device: str) -
 
 
 def bench_pair(pair, prompts_by_ctx, new_tokens: int, temperatures, device: str, tree: tuple,
-               on_rows=None) -> tuple[list[dict], CostModel]:
+               on_rows=None, explore: float = 1.0) -> tuple[list[dict], CostModel]:
     """Every method at every (context, temperature), one decoder per method for the whole run (warmed up on the
     largest context first, so its cache and graphs serve every prompt). Returns the rows and the adaptive decoder's
     calibrated costs (saved as ``pair_costs.json``, to replay its choices elsewhere)."""
@@ -134,7 +147,7 @@ def bench_pair(pair, prompts_by_ctx, new_tokens: int, temperatures, device: str,
     contexts = sorted(prompts_by_ctx)
     longest = prompts_by_ctx[contexts[-1]][0][0].to(device)
     decoders, meta = {}, {}
-    for name, (factory, shape, budget_factory) in pair_methods(pair.draft, tree, len(tree)).items():
+    for name, (factory, shape, budget_factory) in pair_methods(pair.draft, tree, len(tree), explore).items():
         dec, calib_s = make_decoder(pair.target, factory, shape, budget_factory, cuda,
                                     calibrate_at=sorted({contexts[0], contexts[-1]}))
         dec.generate(longest, 4, eos_token_id=[])  # warm-up: kernels, graphs, the cache at its largest
@@ -288,6 +301,7 @@ def main(argv=None) -> None:
     ap.add_argument("--proj-batches", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--proj-layers", type=int, nargs=2, default=[2, 4], help="the two layer counts timed")
     ap.add_argument("--reps", type=int, default=3, help="timed rounds per option, context and batch")
+    ap.add_argument("--explore", type=float, default=1.0, help="the adaptive drafter's AdaptiveBudget(explore=)")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run: the code path, not a measurement")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="default: benchmarks/results/<gpu>/")
@@ -306,7 +320,7 @@ def main(argv=None) -> None:
     dtype = torch.bfloat16 if cuda else torch.float32
     pair = load_code_pair(a.device, dtype)
     meta = {"device": a.device, "dtype": str(dtype), "prompts_per_context": a.prompts, "new_tokens": a.new_tokens,
-            "tree": "-".join(map(str, tree)), "smoke": a.smoke}
+            "tree": "-".join(map(str, tree)), "explore": a.explore, "smoke": a.smoke}
     with torch.inference_mode():
         prompts = pair_prompts(pair.tokenizer, a.contexts, a.prompts)
     print(f"pair and prompts loaded at {time.perf_counter() - t_start:.0f} s", flush=True)
@@ -315,11 +329,12 @@ def main(argv=None) -> None:
         write_results("adaptive", rows, a.out, meta={**meta, **extra}, columns=PAIR_COLUMNS,
                       title="Adaptive merged drafter on the shipped pair",
                       notes=["tau / decode tokens/s (prefill and CUDA-graph capture excluded; capture per call "
-                             "apart); `vs best fixed`: over the best of PLD chain 6, "
+                             "apart); `vs best fixed`: over the best of PLD chain 6, PLD chain 16, "
                              "LongSpec tree and LongSpec chain at that context and T; `python -m "
                              "benchmarks.bench_adaptive`"])
 
-    _, pair_costs = bench_pair(pair, prompts, a.new_tokens, a.temperatures, a.device, tree, on_rows=write_pair)
+    _, pair_costs = bench_pair(pair, prompts, a.new_tokens, a.temperatures, a.device, tree, on_rows=write_pair,
+                               explore=a.explore)
     print(f"(a) done at {time.perf_counter() - t_start:.0f} s", flush=True)
     taus = option_taus(pair, prompts, a.new_tokens, a.device, tree)
     print(f"option taus done at {time.perf_counter() - t_start:.0f} s", flush=True)

@@ -32,10 +32,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from benchmarks.bench_adaptive import ADAPTIVE, TREE, merged_budget
+from benchmarks.bench_adaptive import ADAPTIVE, TREE, merged_budget, merged_drafter, merged_spec
 from benchmarks.harness import write_results as write_results_files
-from longspec import (LongSpecDraft, LongSpecDrafter, MergedDrafter, Numerics, PromptLookupDrafter,
-                      SpeculativeDecoder, StreamingSelfDrafter, TreeSpec)
+from longspec import (LongSpecDraft, LongSpecDrafter, Numerics, PromptLookupDrafter, SpeculativeDecoder,
+                      StreamingSelfDrafter)
 from longspec.testing import first_difference
 from longspec.train.corpus import heldout_prompts
 
@@ -70,7 +70,7 @@ def load_pair(pair_dir: str, device: str, dtype: torch.dtype, heldout: str | Non
 
 def methods(pair: Pair) -> dict[str, tuple]:
     """name -> (drafter factory or None, tree shape, adaptive budget factory or None); Vanilla HF is handled
-    separately. The adaptive row is the merged LongSpec tree + PLD chain under ``bench_adaptive``'s budget."""
+    separately. The adaptive row is ``bench_adaptive``'s merged LongSpec tree + PLD chain under its budget."""
     out = {
         VANILLA_FA: (lambda: None, (1,), None),
         "PLD chain 6": (PromptLookupDrafter, (1,) * 6, None),
@@ -81,8 +81,7 @@ def methods(pair: Pair) -> dict[str, tuple]:
         out[f"{label} tree"] = (lambda d=draft: LongSpecDrafter(d), TREE, None)
         if name == "draft":
             out[f"{label} chain 5"] = (lambda d=draft: LongSpecDrafter(d), (1,) * 5, None)
-            out[ADAPTIVE] = (lambda d=draft: MergedDrafter(LongSpecDrafter(d), PromptLookupDrafter()),
-                             TreeSpec.merged(TREE, (1,) * 6), merged_budget)
+            out[ADAPTIVE] = (lambda d=draft: merged_drafter(d), merged_spec(TREE), merged_budget)
     return out
 
 

@@ -29,13 +29,14 @@ Usage (GPU): ``python -m benchmarks.bench_step_latency --models Llama-3-8B Qwen2
 ``--numerics both`` adds rows for ``Numerics.INVARIANT`` (issue 22) beside the fast ones, with their round and
 decode costs over the fast row's (``round vs fast``).
 
-**Adaptive and merged rounds** (issue 19, ``--adaptive``): per model and N, the round of the fixed PLD chain (6
-drafts) and of :mod:`benchmarks.bench_adaptive`'s adaptive merged decoder (the LongSpec tree + the PLD chain in one
-tree, :class:`~longspec.AdaptiveBudget` with budgets 16 / 32 / 48 at depth 3 or whole) forced to each of a few of
-its options: plain, PLD alone (whole, depth 3), LongSpec alone (whole, 48 nodes), both merged (whole: 75 nodes, 48, 16).
+**Adaptive and merged rounds** (issue 19, ``--adaptive``): per model and N, the rounds of the fixed PLD chains (6
+and 16 drafts) and of :mod:`benchmarks.bench_adaptive`'s adaptive merged decoder (the LongSpec tree + a PLD chain of
+16 in one pool, its :class:`~longspec.AdaptiveBudget`) forced to each of a few of its options: plain, PLD alone
+(whole, depth 6, depth 3), LongSpec alone (whole, 48 nodes), both merged (whole: 85 nodes, 48, 16).
 Each row: the phases, the round's wall time with the adaptive host work (the sync reads the tail's report and
 :meth:`~longspec.AdaptiveBudget.choose` runs on flat costs: its host time, not its choice), round / decode and the
-round over the same-sized fixed drafter's (PLD chain for a PLD option, the 69-node tree for a LongSpec one).
+round over the same-sized fixed drafter's (the PLD chain of 16 or of 6 for a PLD option, the 69-node tree for the
+rest).
 Written to ``step_latency_adaptive.{json,md}``.
 
 **Tensor-parallel targets** (issue 23): ``torchrun --nproc-per-node K -m benchmarks.bench_step_latency --tp ...``
@@ -262,17 +263,19 @@ def _versus_fast(row: dict, rows: list[dict]) -> None:
         row[key.replace("_us", "") + "_vs_fast"] = row[key] / fast[key]
 
 
-ADAPTIVE_OPTIONS = ["plain", "none|1-1-1-1-1-1/7", "none|1-1-1/4", "4-16-16-16-16|none/69",
-                    "4-16-16-16-16|none/48", "4-16-16-16-16|1-1-1-1-1-1/75", "4-16-16-16-16|1-1-1-1-1-1/48",
-                    "4-16-16-16-16|1-1-1-1-1-1/16"]
+# the adaptive merged decoder's options timed (bench_adaptive's pool: the LongSpec tree + a PLD chain of 16)
+_PLD16 = "-".join(["1"] * 16)
+ADAPTIVE_OPTIONS = ["plain", f"none|{_PLD16}/17", "none|1-1-1-1-1-1/7", "none|1-1-1/4", "4-16-16-16-16|none/69",
+                    "4-16-16-16-16|none/48", f"4-16-16-16-16|{_PLD16}/85", f"4-16-16-16-16|{_PLD16}/48",
+                    f"4-16-16-16-16|{_PLD16}/16"]
 
 
 def measure_adaptive(name: str, contexts: list[int], compiles: list[bool], iters: int, on_row=lambda row: None,
                      device: str = "cuda") -> list:
     """The fixed PLD chain's round and the adaptive merged decoder's, forced to each of ``ADAPTIVE_OPTIONS``, next
     to the plain round and the fixed 69-node LongSpec tree's (see the module)."""
-    from longspec import (AdaptiveBudget, LongSpecDrafter, MergedDrafter, PromptLookupDrafter, SpeculativeDecoder,
-                          TreeSpec)
+    from benchmarks.bench_adaptive import merged_budget, merged_drafter, merged_spec
+    from longspec import LongSpecDrafter, PromptLookupDrafter, SpeculativeDecoder
     from longspec.decode.budget import CostModel
 
     target, draft = target_and_draft(name, device)
@@ -282,12 +285,13 @@ def measure_adaptive(name: str, contexts: list[int], compiles: list[bool], iters
         plain = SpeculativeDecoder(target, None, cuda_graphs=True, compile=compile)
         fixed = {"PLD chain 6": SpeculativeDecoder(target, PromptLookupDrafter(), tree_shape=chain, cuda_graphs=True,
                                                    compile=compile),
+                 "PLD chain 16": SpeculativeDecoder(target, PromptLookupDrafter(), tree_shape=(1,) * 16,
+                                                    cuda_graphs=True, compile=compile),
                  "LongSpec tree 69": SpeculativeDecoder(target, LongSpecDrafter(draft), tree_shape=TREE,
                                                         cuda_graphs=True, compile=compile)}
-        budget = AdaptiveBudget(budgets=(16, 32, 48), depths=(3,))
-        merged = SpeculativeDecoder(target, MergedDrafter(LongSpecDrafter(draft), PromptLookupDrafter()),
-                                    tree_shape=TreeSpec.merged(TREE, chain), cuda_graphs=True, compile=compile,
-                                    budget=budget)
+        budget = merged_budget()
+        merged = SpeculativeDecoder(target, merged_drafter(draft), tree_shape=merged_spec(TREE), cuda_graphs=True,
+                                    compile=compile, budget=budget)
         labels = [o.label for o in budget.options]
         budget.costs = CostModel({1: {o.nodes: (1.0, 0.0) for o in budget.options}},
                                  {1: {o.draft_key: (0.0, 0.0) for o in budget.options}})  # flat: choose's host time
@@ -303,7 +307,8 @@ def measure_adaptive(name: str, contexts: list[int], compiles: list[bool], iters
             for label in ADAPTIVE_OPTIONS:
                 i = labels.index(label)
                 t = round_times(merged, context, iters, option=i)
-                ref = base["PLD chain 6"] if label.startswith("none|") else base["LongSpec tree 69"]
+                ref = (base["LongSpec tree 69"] if not label.startswith("none|") else
+                       base["PLD chain 16"] if label.startswith(f"none|{_PLD16}") else base["PLD chain 6"])
                 rows.append(_adaptive_row(name, context, compile, "adaptive LongSpec+PLD", label,
                                           budget.options[i].nodes, t, decode, ref))
                 on_row(rows[-1])
@@ -328,7 +333,8 @@ ADAPTIVE_COLUMNS = [("model", "model", ""), ("context", "N", ""), ("compile", "c
                     ("round_per_decode", "round/decode", ".2f"), ("round_per_fixed", "round/fixed", ".2f")]
 ADAPTIVE_NOTES = ["bf16, batch 1, CUDA graphs; times in us; random weights except `pair`. round = draft + verify + "
                   "accept with the host sync (wall; under the budget also the tail's report read and a choice); "
-                  "round/fixed: over the fixed PLD chain 6 (PLD options) or the fixed 69-node LongSpec tree (the "
+                  "round/fixed: over the fixed PLD chain 16 (the 17-node PLD option), 6 (the other PLD options) or the "
+                  "fixed 69-node LongSpec tree (the "
                   "others). `python -m benchmarks.bench_step_latency --adaptive`"]
 
 

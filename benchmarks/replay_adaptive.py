@@ -7,17 +7,16 @@ T = 0 and T = 1 (seed-exact). The adaptive decoder's budget chooses under a GPU 
 choices follow the GPU's costs, not the CPU's. Each method's *modelled* decode time is the sum over its rounds of
 the cost model's round time (the adaptive drafter: its chosen option's ``round_us`` at that round's committed
 length; a fixed method: its own round line), and modelled tokens/s = generated tokens / that time. The CPU's own
-times are not used. Rows: realised tau, modelled tokens/s, the ratio over the best fixed drafter (PLD chain,
+times are not used. Rows: realised tau, modelled tokens/s, the ratio over the best fixed drafter (PLD chains,
 LongSpec tree, LongSpec chain, as ``bench_adaptive``), whether the output equals plain decoding's, and for the
 adaptive drafter the rounds per chosen option.
 
-Costs. ``--costs FILE``: the adaptive options' :class:`~longspec.decode.budget.CostModel` (``pair_costs.json``, the
-calibration ``bench_adaptive`` saves on the GPU). Without it, :func:`typed_costs`: typed in from the H200 rows of
-``benchmarks/results/h200/step_latency_adaptive.md`` (the pair, 8k, ``compile=False``, one context), with the
-untimed node counts and draft keys interpolated by hand and a context slope from ``step_latency.md``'s plain decode
-(840 us at 8k, 870 at 32k). ``--fixed-costs FILE`` (JSON ``{method: [a, b]}``, us = a + b * context): the fixed
-methods' rounds; default :data:`FIXED_US`, from the same tables (the LongSpec chain, never timed there, scaled from
-the fixed tree by their ratio in ``adaptive.md``).
+Costs. ``--costs FILE``: the adaptive options' :class:`~longspec.decode.budget.CostModel`; default
+``benchmarks/results/h200/pair_costs.json``, the calibration ``bench_adaptive`` saved on the H200 (its options must
+be this code's). ``--fixed-costs FILE`` (JSON ``{method: [a, b]}``, us = a + b * context): the fixed methods'
+rounds; default :data:`FIXED_US`, typed in from ``benchmarks/results/h200/step_latency_adaptive.md`` (the pair, 8k,
+``compile=False``; the LongSpec chain, never timed there, scaled from the fixed tree by their ratio in
+``adaptive_f8d1efe.md``) with a context slope from ``step_latency.md``'s plain decode (840 us at 8k, 870 at 32k).
 
 Usage (about five minutes on two CPU cores): ``python -m benchmarks.replay_adaptive --out DIR``.
 """
@@ -32,45 +31,22 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_adaptive import ADAPTIVE, FIXED, LONGSPEC_CHAIN, LONGSPEC_TREE, PLAIN, PLD, TREE, pair_methods, \
-    pair_prompts
+from benchmarks.bench_adaptive import ADAPTIVE, FIXED, LONGSPEC_CHAIN, LONGSPEC_TREE, PLAIN, PLD, PLD_DEEP, TREE, \
+    pair_methods, pair_prompts
 from benchmarks.harness import write_results
 from longspec import SpeculativeDecoder
-from longspec.decode.budget import BudgetOption, CostModel
+from longspec.decode.budget import CostModel
 from longspec.testing import first_difference
 
 SLOPE = (870.0 - 840.0) / (32768 - 8192)  # us per committed token: the pair's plain decode, 8k -> 32k (H200)
 AT = 8192  # the context of the typed H200 rows
-# verify + accept (us, H200, the pair at 8k) by node count, step_latency_adaptive.md; other counts interpolated
-VERIFY_US = {1: 938.0, 4: 1034.0, 7: 1060.0, 16: 1055.0, 48: 1097.0, 69: 1134.0, 75: 1137.0}
-# draft (us) by pool: the timed keys from step_latency_adaptive.md; the depth-3 LongSpec and merged pools untimed,
-# typed as about 3/5 of the LongSpec draft plus what the PLD part adds
-DRAFT_US = {"plain": 111.0, "none|1-1-1-1-1-1": 785.0, "none|1-1-1": 593.0, "4-16-16-16-16|none": 1500.0,
-            "4-16-16|none": 1050.0, "4-16-16-16-16|1-1-1-1-1-1": 2490.0, "4-16-16|1-1-1": 1950.0}
-# fixed methods' rounds (a, b): plain decode (step_latency.md), PLD chain 6 and the 69-node tree
-# (step_latency_adaptive.md), the LongSpec chain of 5 = the tree's x 2221 / 2632 (their e2e rounds at 8k, adaptive.md)
-FIXED_US = {PLAIN: (840.0 - SLOPE * AT, SLOPE), PLD: (1656.0 - SLOPE * AT, SLOPE),
-            LONGSPEC_TREE: (2504.0 - SLOPE * AT, SLOPE), LONGSPEC_CHAIN: (2504.0 * 2221 / 2632 - SLOPE * AT, SLOPE)}
-
-
-def _interpolate(table: dict[int, float], n: int) -> float:
-    xs = sorted(table)
-    if n <= xs[0] or n >= xs[-1]:
-        return table[xs[0] if n <= xs[0] else xs[-1]]
-    hi = next(x for x in xs if x >= n)
-    lo = max(x for x in xs if x <= n)
-    return table[lo] if hi == lo else table[lo] + (table[hi] - table[lo]) * (n - lo) / (hi - lo)
-
-
-def typed_costs(options: list[BudgetOption]) -> CostModel:
-    """The adaptive options' costs typed in from the H200 tables (see the module), at batch 1."""
-    missing = sorted({o.draft_key for o in options} - set(DRAFT_US))
-    if missing:
-        raise ValueError(f"no typed draft cost for {missing}: pass --costs (the options differ from bench_adaptive's)")
-    verify = {o.nodes: (_interpolate(VERIFY_US, o.nodes) - SLOPE * AT, SLOPE) for o in options}
-    draft = {o.draft_key: (DRAFT_US[o.draft_key], 0.0) for o in options}
-    return CostModel({1: verify}, {1: draft}, {"source": "typed from benchmarks/results/h200/step_latency_adaptive.md "
-                                                         "(pair, 8k, compile=False), interpolated by hand"})
+COSTS = Path(__file__).parent / "results" / "h200" / "pair_costs.json"
+# fixed methods' rounds at 8k (a, b), step_latency_adaptive.md: plain (the decode the PLD chain's round / decode
+# ratio implies), the PLD chains of 6 and 16, the 69-node tree; the LongSpec chain of 5 = the tree's x 2221 / 2632
+# (their e2e rounds at 8k, adaptive_f8d1efe.md)
+FIXED_US = {PLAIN: (1088.0 / 1.27 - SLOPE * AT, SLOPE), PLD: (1088.0 - SLOPE * AT, SLOPE),
+            PLD_DEEP: (1112.0 - SLOPE * AT, SLOPE), LONGSPEC_TREE: (2520.0 - SLOPE * AT, SLOPE),
+            LONGSPEC_CHAIN: (2520.0 * 2221 / 2632 - SLOPE * AT, SLOPE)}
 
 
 def load_fixed(path) -> dict[str, tuple[float, float]]:
@@ -123,9 +99,10 @@ def replay(pair, prompts_by_ctx, new_tokens: int, temperatures, costs, fixed) ->
         budget = budget_factory() if budget_factory is not None else None
         dec = SpeculativeDecoder(pair.target, factory(), tree_shape=shape, budget=budget)
         if budget is not None:
-            budget.costs = costs if costs is not None else typed_costs(budget.options)
-            if not budget.costs.covers(1, budget.options):
-                raise ValueError("--costs: the cost model does not cover every adaptive option at batch 1")
+            budget.costs = costs
+            if not costs.covers(1, budget.options):
+                raise ValueError("--costs: the cost model does not cover every adaptive option at batch 1 (calibrated "
+                                 "for other options: rerun benchmarks.bench_adaptive on the GPU)")
         decoders[name] = dec
     rows = []
     for ctx, (prompts, packages) in sorted(prompts_by_ctx.items()):
@@ -158,7 +135,7 @@ def main(argv=None) -> None:
     ap.add_argument("--prompts", type=int, default=1)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
-    ap.add_argument("--costs", help="the adaptive options' CostModel (pair_costs.json); default: typed (see module)")
+    ap.add_argument("--costs", default=str(COSTS), help="the adaptive options' CostModel (default: %(default)s)")
     ap.add_argument("--fixed-costs", help="JSON {method: [a, b]} of the fixed methods' round us; default: typed")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=os.environ.get("OUT"), help="default: benchmarks/results/cpu/")
@@ -167,20 +144,20 @@ def main(argv=None) -> None:
 
     torch.set_num_threads(a.threads)
     t0 = time.perf_counter()
-    costs = CostModel.load(a.costs) if a.costs else None
+    costs = CostModel.load(a.costs)
     fixed = load_fixed(a.fixed_costs)
     pair = load_code_pair("cpu", torch.float32)
     with torch.inference_mode():
         prompts = pair_prompts(pair.tokenizer, a.contexts, a.prompts)
     rows = replay(pair, prompts, a.new_tokens, a.temperatures, costs, fixed)
     meta = {"device": "cpu (decoding), costs modelled", "dtype": "torch.float32", "prompts_per_context": a.prompts,
-            "new_tokens": a.new_tokens, "costs": a.costs or "typed (H200 step_latency_adaptive.md)",
+            "new_tokens": a.new_tokens, "costs": a.costs,
             "fixed_costs": a.fixed_costs or "typed (H200 step_latency*.md)", "total_s": round(time.perf_counter() - t0)}
     write_results("replay_adaptive", rows, a.out, meta=meta, columns=COLUMNS,
                   title="Adaptive merged drafter replayed on the CPU under a GPU cost model (modelled, not measured)",
                   notes=["tokens/s are MODELLED: generated tokens / the sum of the cost model's round times over the "
-                         "rounds each method ran on the CPU; `vs best fixed`: over the best of PLD chain 6, LongSpec "
-                         "tree and LongSpec chain; `python -m benchmarks.replay_adaptive`"])
+                         "rounds each method ran on the CPU; `vs best fixed`: over the best of PLD chain 6, PLD chain "
+                         "16, LongSpec tree and LongSpec chain; `python -m benchmarks.replay_adaptive`"])
     print(f"done in {time.perf_counter() - t0:.0f} s", flush=True)
 
 

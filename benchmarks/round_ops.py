@@ -23,11 +23,12 @@ from collections import Counter
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from longspec import AdaptiveBudget, LongSpecDrafter, MergedDrafter, PromptLookupDrafter, SpeculativeDecoder, TreeSpec
+from benchmarks.bench_adaptive import TREE, merged_budget, merged_drafter, merged_spec
+from longspec import LongSpecDrafter, PromptLookupDrafter, SpeculativeDecoder
 from longspec.decode import budget as budget_mod, decoder as decoder_mod, merge as merge_mod
 from longspec.decode.budget import CostModel
 
-TREE, CHAIN = (4, 16, 16, 16, 16), 5  # bench_adaptive's methods: LongSpec tree, PLD chain of 6
+CHAIN = 5  # the fixed PLD chain of 6, as bench_adaptive's
 NOT_KERNELS = {"empty", "empty_strided", "empty_like", "new_empty", "lift_fresh", "_local_scalar_dense", "resolve_conj",
                "resolve_neg"}
 
@@ -114,14 +115,13 @@ def count_round(dec: SpeculativeDecoder, context: int, option, rounds: int = 3) 
 def decoders(pair) -> dict[str, tuple[SpeculativeDecoder, list]]:
     """name -> (decoder, [(option label, option index or None)])."""
     pld = SpeculativeDecoder(pair.target, PromptLookupDrafter(), tree_shape=(1,) * (CHAIN + 1))
-    spec = TreeSpec.merged(TREE, (1,) * (CHAIN + 1))
-    budget = AdaptiveBudget(budgets=(16, 32, 48), depths=(3,))
-    merged = SpeculativeDecoder(pair.target, MergedDrafter(LongSpecDrafter(pair.draft), PromptLookupDrafter()),
-                                tree_shape=spec, budget=budget)
+    budget = merged_budget()
+    merged = SpeculativeDecoder(pair.target, merged_drafter(pair.draft), tree_shape=merged_spec(TREE), budget=budget)
     budget.costs = CostModel({1: {o.nodes: (1.0, 0.0) for o in budget.options}},
                              {1: {o.draft_key: (0.0, 0.0) for o in budget.options}})
-    wanted = ["none|1-1-1-1-1-1/7", "none|1-1-1/4", "4-16-16-16-16|none/48", "4-16-16-16-16|1-1-1-1-1-1/48",
-              "plain"]
+    pld16 = "-".join(["1"] * 16)
+    wanted = [f"none|{pld16}/17", "none|1-1-1-1-1-1/7", "none|1-1-1/4", "4-16-16-16-16|none/48",
+              f"4-16-16-16-16|{pld16}/48", "plain"]
     labels = [o.label for o in budget.options]
     return {"PLD chain 6": (pld, [("fixed", None)]),
             "adaptive LongSpec+PLD": (merged, [(w, labels.index(w)) for w in wanted if w in labels])}

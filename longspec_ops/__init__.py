@@ -35,6 +35,7 @@ from .ops import (  # noqa: E402
     invariant_linear,
     merge_attn_states,
     prefix_attn,
+    prompt_lookup_chain,
     rms_norm,
     tree_attn,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "invariant_linear",
     "merge_attn_states",
     "prefix_attn",
+    "prompt_lookup_chain",
     "rms_norm",
     "tree_attn",
 ]

@@ -247,6 +247,72 @@ def check_rms_norm(x: Tensor, weight: Tensor, eps: float) -> None:
     _same_device(op, x=x, weight=weight)
 
 
+def check_lookup(tokens: Tensor, seqlens: Tensor, depth: int, min_ngram: int, max_ngram: int) -> None:
+    op = "prompt_lookup_chain"
+    _rank(op, "tokens", tokens, 2, "[B, C]")
+    if tokens.dtype != torch.int64:
+        _fail(op, f"tokens must be int64, got {tokens.dtype}")
+    if not isinstance(seqlens, Tensor) or seqlens.dtype not in _INTS:
+        got = getattr(seqlens, "dtype", type(seqlens).__name__)
+        _fail(op, f"seqlens must be an int32 (or int64) Tensor, got {got}")
+    if tuple(seqlens.shape) != (tokens.shape[0],):
+        _fail(op, f"seqlens must have shape [B] = ({tokens.shape[0]},), got {tuple(seqlens.shape)}")
+    if tokens.shape[1] < 1:
+        _fail(op, "tokens must hold at least the root (C >= 1), got C = 0")
+    if depth < 1:
+        _fail(op, f"depth must be >= 1, got {depth}")
+    if not 1 <= min_ngram <= max_ngram:
+        _fail(op, f"need 1 <= min_ngram <= max_ngram, got min_ngram {min_ngram}, max_ngram {max_ngram}")
+    _same_device(op, tokens=tokens, seqlens=seqlens)
+
+
+def check_lookup_values(tokens: Tensor, seqlens: Tensor) -> None:
+    """Every root column must lie in tokens' row. Syncs a CUDA device; skipped under capture or tracing."""
+    if seqlens.numel() == 0 or not _values_readable(seqlens):
+        return
+    lo, hi = int(seqlens.min()), int(seqlens.max())
+    if lo < 0 or hi > tokens.shape[1] - 1:
+        _fail("prompt_lookup_chain", f"seqlens values (the root's column) must lie in [0, {tokens.shape[1] - 1}] "
+                                     f"(tokens has {tokens.shape[1]} columns), got min {lo}, max {hi}")
+
+
+def check_record(proposed, accepted, realised, mass, seen, keys, within, contained, accept_index, accept_len,
+                 active, decay: float, rate: float) -> None:
+    op = "record_acceptance_"
+    for name, t, dtype in (("proposed", proposed, torch.float32), ("accepted", accepted, torch.float32),
+                           ("realised", realised, torch.float32), ("mass", mass, torch.float32),
+                           ("seen", seen, torch.bool), ("contained", contained, torch.bool)):
+        _rank(op, name, t, 1, "[cells]" if name in ("proposed", "accepted") else "[K]")
+        if t.dtype != dtype:
+            _fail(op, f"{name} must be {dtype}, got {t.dtype}")
+        if name != "contained" and not t.is_contiguous():
+            _fail(op, f"{name} must be contiguous (it is updated in place), got strides {tuple(t.stride())}")
+    if accepted.shape != proposed.shape:
+        _fail(op, f"accepted must have proposed's shape {tuple(proposed.shape)}, got {tuple(accepted.shape)}")
+    K = realised.shape[0]
+    for name, t in (("mass", mass), ("seen", seen), ("contained", contained)):
+        if t.shape[0] != K:
+            _fail(op, f"{name} must have realised's shape [K] = ({K},), got {tuple(t.shape)}")
+    _rank(op, "keys", keys, 2, "[B, T]")
+    B, T = keys.shape
+    _rank(op, "within", within, 3, "[B, T, K]")
+    _rank(op, "accept_index", accept_index, 2, "[B, A]")
+    for name, t, want in (("keys", keys, (B, T)), ("within", within, (B, T, K)),
+                          ("accept_index", accept_index, (B, accept_index.shape[1])),
+                          ("accept_len", accept_len, (B,)), ("active", active, (B,))):
+        if tuple(t.shape) != want:
+            _fail(op, f"{name} must have shape {list(want)}, got {tuple(t.shape)}")
+    for name, t, dtype in (("keys", keys, torch.int64), ("within", within, torch.float32),
+                           ("accept_index", accept_index, torch.int64), ("accept_len", accept_len, torch.int64),
+                           ("active", active, torch.bool)):
+        if t.dtype != dtype:
+            _fail(op, f"{name} must be {dtype}, got {t.dtype}")
+    if not (0.0 < decay <= 1.0) or not (0.0 < rate <= 1.0):
+        _fail(op, f"decay and rate must lie in (0, 1], got decay {decay}, rate {rate}")
+    _same_device(op, proposed=proposed, accepted=accepted, realised=realised, mass=mass, seen=seen, keys=keys,
+                 within=within, contained=contained, accept_index=accept_index, accept_len=accept_len, active=active)
+
+
 def check_invariant_attn(q, k_cache, v_cache, cache_seqlens, ancestors, depths, scale) -> None:
     op = "invariant_attn"
     _qkv(op, q, "k_cache", k_cache, "v_cache", v_cache, "[B, N, Hkv, D]")

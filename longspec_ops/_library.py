@@ -6,8 +6,9 @@ opaque to ``torch.compile`` through its fake kernel and is safe under CUDA-graph
 
 Kernels:
   * CPU: the pure-PyTorch references in :mod:`longspec_ops.reference` (they are also the test oracles).
-  * CUDA: Triton kernels in :mod:`longspec_ops.kernels` for the attention ops; the C++ extension
-    ``longspec_ops._C`` (``csrc/``) registers ``merge_attn_states`` and ``commit_kv_`` for CUDA when it is built.
+  * CUDA: Triton kernels in :mod:`longspec_ops.kernels` for the attention, invariant, lookup and statistics ops;
+    the C++ extension ``longspec_ops._C`` (``csrc/``) registers ``merge_attn_states`` and ``commit_kv_`` for CUDA
+    when it is built.
     Without it those two run the PyTorch reference on CUDA, and :func:`longspec_ops.has_cuda_kernels` says so.
 
 Value checks (lengths within the cache) cost a host sync on CUDA, so the raw CUDA ops skip them and their kernels
@@ -26,6 +27,8 @@ from torch import Tensor
 from . import _checks
 from .reference import attention as ref
 from .reference import invariant as inv_ref
+from .reference import lookup as lookup_ref
+from .reference import stats as stats_ref
 
 lib = torch.library.Library("longspec", "FRAGMENT")
 
@@ -48,6 +51,18 @@ def _invariant_kernels():
     from .kernels import invariant_launch
 
     return invariant_launch
+
+
+def _lookup_kernels():
+    from .kernels import lookup
+
+    return lookup
+
+
+def _stats_kernels():
+    from .kernels import stats
+
+    return stats
 
 
 # merge_attn_states ---------------------------------------------------------------------------------------------
@@ -347,6 +362,56 @@ def _rms_norm_cuda(x, weight, eps):
 
 lib.impl("rms_norm", _rms_norm_cpu, "CPU")
 lib.impl("rms_norm", _rms_norm_cuda, "CUDA")
+
+# prompt_lookup_chain -------------------------------------------------------------------------------------------
+lib.define("prompt_lookup_chain(Tensor tokens, Tensor seqlens, int depth, int min_ngram, int max_ngram) "
+           "-> (Tensor chain, Tensor found)")
+
+
+@torch.library.register_fake("longspec::prompt_lookup_chain", lib=lib)
+def _lookup_fake(tokens, seqlens, depth, min_ngram, max_ngram):
+    _checks.check_lookup(tokens, seqlens, depth, min_ngram, max_ngram)
+    B = tokens.shape[0]
+    return tokens.new_empty((B, depth + 1)), tokens.new_empty((B,), dtype=torch.bool)
+
+
+def _lookup_cpu(tokens, seqlens, depth, min_ngram, max_ngram):
+    _checks.check_lookup(tokens, seqlens, depth, min_ngram, max_ngram)
+    _checks.check_lookup_values(tokens, seqlens)
+    return lookup_ref.prompt_lookup_chain(tokens, seqlens, depth, min_ngram, max_ngram)
+
+
+def _lookup_cuda(tokens, seqlens, depth, min_ngram, max_ngram):
+    _checks.check_lookup(tokens, seqlens, depth, min_ngram, max_ngram)
+    return _lookup_kernels().prompt_lookup_chain(tokens, seqlens, depth, min_ngram, max_ngram)
+
+
+lib.impl("prompt_lookup_chain", _lookup_cpu, "CPU")
+lib.impl("prompt_lookup_chain", _lookup_cuda, "CUDA")
+
+# record_acceptance_ --------------------------------------------------------------------------------------------
+lib.define("record_acceptance_(Tensor(a!) proposed, Tensor(b!) accepted, Tensor(c!) realised, Tensor(d!) mass, "
+           "Tensor(e!) seen, Tensor keys, Tensor within, Tensor contained, Tensor accept_index, Tensor accept_len, "
+           "Tensor active, float decay, float rate) -> ()")
+
+
+@torch.library.register_fake("longspec::record_acceptance_", lib=lib)
+def _record_fake(*args):
+    _checks.check_record(*args)
+
+
+def _record_cpu(*args):
+    _checks.check_record(*args)
+    stats_ref.record_acceptance_(*args)
+
+
+def _record_cuda(*args):
+    _checks.check_record(*args)
+    _stats_kernels().record_acceptance_(*args)
+
+
+lib.impl("record_acceptance_", _record_cpu, "CPU")
+lib.impl("record_acceptance_", _record_cuda, "CUDA")
 
 lib.define(
     "invariant_attn("

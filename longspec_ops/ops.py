@@ -210,3 +210,25 @@ def invariant_attn(
         _checks.check_invariant_attn(q, k_cache, v_cache, cache_seqlens, ancestors, depths, _scale(q, scale))
         _checks.check_invariant_attn_values(k_cache, cache_seqlens, ancestors, depths)
     return _ops.invariant_attn(q, k_cache, v_cache, cache_seqlens, ancestors, depths, _scale(q, scale))
+
+
+def prompt_lookup_chain(tokens: Tensor, seqlens: Tensor, depth: int, min_ngram: int = 1,
+                        max_ngram: int = 3) -> tuple[Tensor, Tensor]:
+    """Prompt lookup's best chain per row: the continuation of the latest of the longest n-grams (n in
+    ``[min_ngram, max_ngram]``) that end at the root and occur earlier in the row.
+
+    Args:
+        tokens: int64 ``[B, C]``, each row's text with the root at column ``seqlens[b]`` (columns after it unread).
+        seqlens: int32 or int64 ``[B]``, the root's column (the committed length).
+        depth: drafts per chain (>= 1).
+
+    Returns:
+        ``chain`` int64 ``[B, depth + 1]``: the root, then the tokens that followed the match; where they reach the
+        root they repeat the text from the match to the root (a period of a repeating pattern); a row without a
+        match repeats its root. ``found`` bool ``[B]``: whether the row matched. On CUDA one Triton launch
+        (:mod:`longspec_ops.kernels.lookup`).
+    """
+    _checks.check_lookup(tokens, seqlens, depth, min_ngram, max_ngram)
+    if tokens.is_cuda:  # the CPU op checks values itself
+        _checks.check_lookup_values(tokens, seqlens)
+    return _ops.prompt_lookup_chain(tokens, seqlens, int(depth), int(min_ngram), int(max_ngram))

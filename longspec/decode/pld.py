@@ -1,16 +1,22 @@
 """Prompt lookup decoding (PLD): draft the continuation of earlier occurrences of the last n tokens.
 
-The context is the committed text plus the root. For every start position s of the context we look for the longest
-n in ``[min_ngram, max_ngram]`` such that the n tokens before s equal the context's last n tokens; candidates rank
-by (n, recency). The best candidates' continuations are merged into the tree as a trie: the best match is the
-chain along index 0 of every level, other matches branch off where they differ (distinct siblings), and slots no
-match fills get a cheap guess (a repeat of the level's first node). Everything is batched tensor ops on the
-context's device (``unfold`` for the matching); loops run only over n-gram sizes and depths.
+The context is the committed text plus the root. For every start position s of the context we look for the
+longest n in ``[min_ngram, max_ngram]`` such that the n tokens before s equal the context's last n tokens;
+candidates rank by (n, recency). A candidate's continuation is the text from s on, repeating the text from s to
+the root once it reaches the root (a match that recent is a period of a repeating pattern). The best candidates'
+continuations are merged into the tree as a trie: the best match is the chain along index 0 of every level, other
+matches branch off where they differ (distinct siblings), and slots no match fills get a cheap guess (a repeat of
+the level's first node). A chain (one node per depth, the best match alone) is one fused op,
+``torch.ops.longspec.prompt_lookup_chain`` (one Triton launch on CUDA); a tree is batched tensor ops on the
+context's device (``unfold`` for the matching, :mod:`longspec_ops.reference.lookup`), with loops over n-gram sizes
+and depths only.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from longspec_ops.reference import lookup
 
 from .drafter import DecodeState, DraftTree, TreeSpec
 
@@ -46,42 +52,15 @@ class PromptLookupDrafter:
 
     def propose(self, state: DecodeState, tree: TreeSpec) -> DraftTree:
         ctx = state.tokens  # [B, C]; tokens[b, seqlens[b]] is the root
-        last = state.seqlens.to(torch.int64)  # index of the root
-        score = self._start_scores(ctx, last)
+        if max(tree.shape) == 1:  # a chain: the best candidate alone, one fused op
+            return _chain(*torch.ops.longspec.prompt_lookup_chain(ctx, state.seqlens, tree.depth, self.min_ngram,
+                                                                  self.max_ngram))
+        last = state.seqlens.to(torch.int64)
+        score = lookup.start_scores(ctx, last, self.min_ngram, self.max_ngram)
         k = min(max(tree.shape), score.shape[1])
         top, start = torch.topk(score, k, dim=1)  # [B, K] best continuation starts
-        cont, valid = self._continuations(ctx, last, start, top >= 0, tree.depth)
-        if max(tree.shape) == 1:  # a chain: k = 1, one candidate
-            return _chain(state.root, cont[:, 0], valid[:, 0])
+        cont, valid = lookup.continuations(ctx, last, start, top >= 0, tree.depth)
         return _trie(state.root, cont, valid, tree)
-
-    def _start_scores(self, ctx: Tensor, last: Tensor) -> Tensor:
-        """int64 ``[B, C + 1]``: for start s, ``n * (C + 1) + s`` for the longest matching n, else -1."""
-        B, C = ctx.shape
-        best = torch.full((B, C + 1), -1, dtype=torch.int64, device=ctx.device)
-        for n in range(self.min_ngram, self.max_ngram + 1):
-            if C < n + 1:
-                break
-            suffix_idx = (last[:, None] - n + 1 + torch.arange(n, device=ctx.device)).clamp(min=0)
-            suffix = ctx.gather(1, suffix_idx)  # [B, n], the n-gram ending at the root
-            windows = ctx.unfold(1, n, 1)  # [B, C - n + 1, n]
-            i = torch.arange(C - n + 1, device=ctx.device)
-            # the window must end before the root (so its continuation exists) and the suffix must exist
-            ok = (i[None, :] <= last[:, None] - n) & (last[:, None] >= n - 1)
-            match = (windows == suffix[:, None, :]).all(dim=-1) & ok
-            score = torch.where(match, n * (C + 1) + i[None, :] + n, -1)  # start s = i + n
-            best[:, n:] = torch.maximum(best[:, n:], score)
-        return best
-
-    @staticmethod
-    def _continuations(ctx: Tensor, last: Tensor, start: Tensor, found: Tensor, depth: int) -> tuple[Tensor, Tensor]:
-        """Tokens ``[B, K, depth]`` from each start, and their validity (inside the context, candidate found)."""
-        B, C = ctx.shape
-        K = start.shape[1]
-        idx = start[:, :, None] + torch.arange(depth, device=ctx.device)  # [B, K, depth]
-        valid = found[:, :, None] & (idx <= last[:, None, None])
-        cont = ctx.gather(1, idx.clamp(max=C - 1).reshape(B, K * depth)).reshape(B, K, depth)
-        return cont, valid
 
 
 def _trie(root: Tensor, cont: Tensor, valid: Tensor, tree: TreeSpec) -> DraftTree:
@@ -120,18 +99,15 @@ def _trie(root: Tensor, cont: Tensor, valid: Tensor, tree: TreeSpec) -> DraftTre
     return DraftTree(tokens[:, :T], parents[:, :T], scores=scores[:, :T])
 
 
-def _chain(root: Tensor, cont: Tensor, valid: Tensor) -> DraftTree:
-    """:func:`_trie` for a chain (one node per depth) from its one candidate ``cont`` / ``valid`` ``[B, depth]`` (a
-    chain spec keeps the best start only), without the trie's loop over depths: the same tokens, parents and
-    scores (``tests/decode/test_pld.py`` checks them against it). Node d is the candidate's token while it is valid
-    through depth d (score 0), else a repeat of the last such token, the root when none (score -inf)."""
-    B, depth = cont.shape
-    ok = valid.to(torch.int8).cummin(dim=1).values.bool()  # valid through depth d
-    repeat = torch.cat([root[:, None], cont], dim=1).gather(1, ok.sum(dim=1, keepdim=True))
-    tokens = torch.cat([root[:, None], torch.where(ok, cont, repeat)], dim=1)
-    scores = torch.cat([torch.zeros(B, 1, device=cont.device), torch.where(ok, 0.0, float("-inf"))], dim=1)
-    parents = torch.arange(-1, depth, device=cont.device).expand(B, -1)
-    return DraftTree(tokens, parents, scores=scores)
+def _chain(chain: Tensor, found: Tensor) -> DraftTree:
+    """:func:`_trie`'s tree for a chain spec from ``prompt_lookup_chain``'s chain ``[B, depth + 1]`` (the root first)
+    and ``found`` ``[B]``: the same tokens, parents and scores (``tests/decode/test_pld.py`` checks them): score 0
+    on a found row's nodes, -inf on the fillers (the root repeated) of a row without a match."""
+    B, T = chain.shape
+    scores = torch.where(found[:, None], 0.0, float("-inf")).expand(B, T).clone()
+    scores[:, 0] = 0.0
+    parents = torch.arange(-1, T - 1, device=chain.device).expand(B, -1)
+    return DraftTree(chain, parents, scores=scores)
 
 
 def _fill_level(tokens: Tensor, parents: Tensor, count: Tensor, lo: int, width: int, first_parent: int) -> None:

@@ -243,12 +243,12 @@ def forced_options(spec: TreeSpec) -> dict[str, BudgetOption]:
     }
 
 
-@pytest.mark.parametrize("explore", [0.0, 2.0])
+@pytest.mark.parametrize("explore", [0.0, 4.0])
 def test_adaptive_converges_to_plain_when_nothing_is_accepted(explore):
     """Prompt lookup on the tiny target accepts nothing here: after the opening rounds of the largest option (the
     first two: the host chooses one round ahead), the budget verifies plain rounds; with an optimism bonus (here a
-    quarter token's gain times 2: nothing was ever gained) it tries a tree again now and then, when its count has
-    decayed, and without one never."""
+    quarter token's gain times 4, times the price ratio: nothing was ever gained) it tries a tree again now and then,
+    when its count has decayed, and without one never."""
     target = tiny_target(FAMILY)
     make, shape = DRAFTERS["pld"]
     ids, mask, want, scores = greedy_reference()
@@ -341,7 +341,7 @@ def test_cost_model_fit_roundtrip_and_choice(tmp_path):
     costs.save(tmp_path / "c.json")
     budget.costs = CostModel.load(tmp_path / "c.json")
     assert budget.costs.to_json() == costs.to_json()
-    realised = [1.0, 1.2, 1.9, 1.3, 2.8, 3.2]
+    realised = [1.0, 1.2, 1.9, 1.3, 2.6, 3.0]  # a depth-2 tree realises 3 at most
     seen = [True] * 6
 
     def choose(context, realised=realised, seen=seen, exploration=None):
@@ -363,10 +363,19 @@ def test_cost_model_fit_roundtrip_and_choice(tmp_path):
     assert ex.rounds == pytest.approx(1.0 + keep)
     assert ex.scored == pytest.approx([keep + 1.0, keep, keep, keep + 1.0, keep + 1.0, keep])
     # optimism: an option not scored lately (its count decayed) is tried again; without the bonus it is not
-    stale = Exploration([10.0, 10.0, 0.01, 10.0, 10.0, 10.0], 10.0)
+    stale = Exploration([10.0, 10.0, 10.0, 0.01, 10.0, 10.0], 10.0)
     assert choose(100_000, exploration=dataclasses.replace(stale)) == "4-4/8"
     budget.explore, budget.window = 1.0, 4
-    assert choose(100_000, exploration=dataclasses.replace(stale)) == "4/5"
+    assert choose(100_000, exploration=dataclasses.replace(stale)) == "4-4/2"
+    # but never beyond what it can realise: 4/5 (depth 1) emits 2 tokens at most, 2 / 21 us < 2.6 / 22
+    stale = Exploration([10.0, 10.0, 0.01, 10.0, 10.0, 10.0], 10.0)
+    assert choose(100_000, exploration=dataclasses.replace(stale)) == "4-4/8"
+    # exploring is priced: where nothing drafted pays (plain, 10 us, wins on the means), a stale 22 us tree's bonus
+    # shrinks by 10 / 22 and plain stays; a stale 12 us option (the bonus by 10 / 12) is tried
+    budget.explore, budget.window = 4.0, 16
+    flat = [1.0, 1.0, 1.0, 1.0, 1.0, 1.05]
+    assert choose(1000, realised=flat, exploration=Exploration([16.0] * 5 + [0.5], 16.0)) == "plain"
+    assert choose(1000, realised=flat, exploration=Exploration([16.0] * 3 + [0.5, 16.0, 16.0], 16.0)) == "4-4/2"
     # an option scored every recent round (its count at the window) earns no bonus: a drafted option just short of a
     # plain round (1.09 / 11 us against 1 / 10) loses to it however large explore is, until its count decays
     budget.explore, budget.window = 5.0, 16

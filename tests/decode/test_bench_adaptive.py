@@ -18,7 +18,7 @@ def test_adaptive_benchmark_smoke(tmp_path):
                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "LONGSPEC_CACHE_DIR": str(tmp_path / "cache")})
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads((tmp_path / "adaptive.json").read_text())["rows"]
-    assert {r["method"] for r in rows} == {"plain", "PLD chain", "LongSpec tree", "LongSpec chain",
+    assert {r["method"] for r in rows} == {"plain", "PLD chain", "PLD chain 16", "LongSpec tree", "LongSpec chain",
                                            "adaptive LongSpec+PLD"}
     assert {r["T"] for r in rows} == {0.0, 1.0}
     assert all(r["identical_to_plain"] and r["tau"] >= 1.0 for r in rows), rows

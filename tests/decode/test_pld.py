@@ -41,6 +41,21 @@ def test_chain_copies_the_longest_most_recent_match():
     assert tree.parents[0].tolist() == [-1, 0, 1, 2]
 
 
+def test_continuation_repeats_its_period_past_the_root():
+    # the latest "1 2 3" ends one period (3 tokens) before the root: the chain goes on repeating "1 2 3"; a row
+    # whose match is older copies straight on, and a row without a match drafts fillers (-inf)
+    rows = [[5, 1, 2, 3, 1, 2, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1, 2, 3], [4, 5, 6]]
+    spec = TreeSpec((1,) * 7)
+    tree = PromptLookupDrafter(max_ngram=3).propose(state_for(rows), spec)
+    check_well_formed(tree, spec)
+    assert tree.tokens[0].tolist() == [3, 1, 2, 3, 1, 2, 3, 1]
+    assert tree.tokens[1].tolist() == [3, 4, 5, 6, 7, 8, 9, 0]
+    assert torch.isfinite(tree.scores[:2]).all() and torch.isinf(tree.scores[2, 1:]).all()
+    # the same rows through the trie (a tree spec), best candidate along index 0 of every level
+    tree = PromptLookupDrafter(max_ngram=3).propose(state_for(rows[:1]), TreeSpec((2,) * 7))
+    assert tree.tokens[0, [0, 1, 3, 5, 7, 9, 11, 13]].tolist() == [3, 1, 2, 3, 1, 2, 3, 1]
+
+
 def test_tree_branches_with_distinct_siblings_and_fills_empty_slots():
     # root 5; "5" is followed by 1 (twice: "1 2" and "1 3") and by 6 → depth 1: {1, 6}; depth 2 under 1: {2, 3}
     rows = [[5, 1, 2, 0, 5, 6, 0, 5, 1, 3, 0, 5], [10, 11, 12, 13]]  # row 1: no match at all
@@ -70,30 +85,25 @@ def test_match_must_end_before_the_root_and_respect_min_ngram():
 
 
 def test_chain_fast_path_equals_the_trie():
-    """A chain spec takes ``_chain`` (one candidate per row), which must build exactly the trie's tree: random
-    candidates running out of context at every depth, rows with none found and rows whose validity has gaps."""
-    from longspec.decode.pld import _chain, _trie
+    """A chain spec takes the fused ``prompt_lookup_chain`` op (the best candidate alone), which must build exactly
+    the trie's tree from the same candidate: random texts (short alphabets, so matches of every length and
+    periods), rows without a match, roots at every column."""
+    from longspec.decode.pld import _trie
+    from longspec_ops.reference import lookup
 
     g = torch.Generator().manual_seed(0)
+    pld = PromptLookupDrafter()
     for depth in (1, 2, 5, 8):
         spec = TreeSpec((1,) * depth)
-        B = 32
-        root = torch.randint(0, 5, (B,), generator=g)
-        cont = torch.randint(0, 3, (B, 1, depth), generator=g)
-        length = torch.randint(0, depth + 1, (B, 1), generator=g)  # valid for the first `length` steps
-        found = torch.rand(B, 1, generator=g) < 0.8
-        valid = found[:, :, None] & (torch.arange(depth)[None, None, :] < length[:, :, None])
-        valid[:4] |= torch.rand(4, 1, depth, generator=g) < 0.5  # and a few rows with gaps
-        want, got = _trie(root, cont, valid, spec), _chain(root, cont[:, 0], valid[:, 0])
-        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.parents, want.parents)
-        assert torch.equal(got.scores, want.scores), depth
-    # and through propose: a chain spec's tree is the trie's
-    row = [7, 8, 9, 1, 2, 3, 3, 7, 8, 9, 4, 5, 6, 0, 8, 9, 11, 7, 8, 9]
-    state, spec = state_for([row, row[:12]]), TreeSpec((1,) * 6)
-    pld = PromptLookupDrafter()
-    tree = pld.propose(state, spec)
-    ctx, last = state.tokens, state.seqlens.to(torch.int64)
-    top, start = torch.topk(pld._start_scores(ctx, last), 1, dim=1)
-    cont, valid = pld._continuations(ctx, last, start, top >= 0, spec.depth)
-    want = _trie(state.root, cont, valid, spec)
-    assert torch.equal(tree.tokens, want.tokens) and torch.equal(tree.scores, want.scores)
+        B, C = 24, 30
+        rows = [torch.randint(0, 2 + b % 6, (int(n),), generator=g).tolist()
+                for b, n in enumerate(torch.randint(1, C, (B,), generator=g))]
+        rows[0] = [7, 8, 9]  # no match at all
+        state = state_for(rows, width=C)
+        tree = pld.propose(state, spec)
+        ctx, last = state.tokens, state.seqlens.to(torch.int64)
+        top, start = torch.topk(lookup.start_scores(ctx, last, 1, 3), 1, dim=1)
+        cont, valid = lookup.continuations(ctx, last, start, top >= 0, depth)
+        want = _trie(state.root, cont, valid, spec)
+        assert torch.equal(tree.tokens, want.tokens) and torch.equal(tree.parents, want.parents)
+        assert torch.equal(tree.scores, want.scores), depth

@@ -121,3 +121,45 @@ def test_invariant_ops_reject():
         longspec_ops.rms_norm(x, torch.randn(7))
     with pytest.raises(ValueError, match="eps must be a finite float >= 0"):
         longspec_ops.rms_norm(x, torch.randn(8), -1.0)
+
+
+def test_prompt_lookup_chain_bad_input():
+    tokens, lens = torch.randint(0, 5, (2, 9)), torch.tensor([8, 3], dtype=torch.int32)
+    cases = [
+        ((tokens.int(), lens, 4, 1, 3), "tokens must be int64"),
+        ((tokens[0], lens, 4, 1, 3), r"tokens must be 2-D \[B, C\]"),
+        ((tokens, lens.float(), 4, 1, 3), "seqlens must be an int32"),
+        ((tokens, lens[:1], 4, 1, 3), r"seqlens must have shape \[B\] = \(2,\)"),
+        ((tokens, lens, 0, 1, 3), "depth must be >= 1"),
+        ((tokens, lens, 4, 3, 2), "need 1 <= min_ngram <= max_ngram"),
+        ((tokens, torch.tensor([9, 3], dtype=torch.int32), 4, 1, 3), r"must lie in \[0, 8\] \(tokens has 9 columns\)"),
+    ]
+    for args, match in cases:
+        with pytest.raises(ValueError, match=match):
+            ops.prompt_lookup_chain(*args)
+        with pytest.raises(ValueError, match=match):
+            longspec_ops.prompt_lookup_chain(*args)
+
+
+def test_record_acceptance_bad_input():
+    B, T, K, A, cells = 2, 5, 3, 4, 20
+
+    def args(**over):
+        a = dict(proposed=torch.zeros(cells), accepted=torch.zeros(cells), realised=torch.ones(K),
+                 mass=torch.zeros(K), seen=torch.zeros(K, dtype=torch.bool),
+                 keys=torch.zeros(B, T, dtype=torch.int64), within=torch.zeros(B, T, K),
+                 contained=torch.zeros(K, dtype=torch.bool), accept_index=torch.zeros(B, A, dtype=torch.int64),
+                 accept_len=torch.ones(B, dtype=torch.int64), active=torch.ones(B, dtype=torch.bool),
+                 decay=0.99, rate=0.2)
+        a.update(over)
+        return list(a.values())
+
+    ops.record_acceptance_(*args())  # well-formed
+    for over, match in (({"seen": torch.zeros(K)}, "seen must be torch.bool"),
+                        ({"mass": torch.zeros(K + 1)}, r"mass must have realised's shape \[K\] = \(3,\)"),
+                        ({"within": torch.zeros(B, T, K + 1)}, r"within must have shape \[2, 5, 3\]"),
+                        ({"keys": torch.zeros(B, T, dtype=torch.int32)}, "keys must be torch.int64"),
+                        ({"proposed": torch.zeros(cells, 2)[:, 0]}, "proposed must be contiguous"),
+                        ({"rate": 0.0}, r"decay and rate must lie in \(0, 1\]")):
+        with pytest.raises(ValueError, match=match):
+            ops.record_acceptance_(*args(**over))

@@ -173,6 +173,12 @@ def _sample_args():
                            torch.tensor([[0, 1, 2], [0, 1, 1]], dtype=torch.int32), 0.3),
         "invariant_linear": (q.reshape(B, M, Hq * D), torch.randn(5, Hq * D), torch.randn(5)),
         "rms_norm": (q, torch.rand(D), 1e-6),
+        "prompt_lookup_chain": (torch.randint(0, 3, (B, 12)), torch.tensor([11, 5], dtype=torch.int32), 4, 1, 3),
+        "record_acceptance_": (torch.rand(40), torch.rand(40), torch.ones(5), torch.rand(5),
+                               torch.tensor([True, False, True, False, False]), torch.randint(0, 40, (B, M)),
+                               torch.rand(B, M, 5).round(), torch.tensor([True, True, False, True, False]),
+                               torch.tensor([[0, 1], [0, 2]]), torch.tensor([2, 1]), torch.tensor([True, True]),
+                               0.99, 0.2),
     }
 
 
@@ -215,6 +221,27 @@ def test_rms_norm_and_linear_against_transformers():
     x = x.double()
     w, b = torch.randn(7, 16, dtype=torch.float64), torch.randn(7, dtype=torch.float64)
     assert (inv.invariant_linear(x, w, b) - torch.nn.functional.linear(x, w, b)).abs().max() < TOL
+
+
+def test_prompt_lookup_chain_against_naive():
+    """The longest n-gram (n <= 3) ending at the root, its latest earlier occurrence, the tokens after it (the text
+    from the match to the root repeated past the root), found by Python loops over random rows."""
+    from longspec_ops.reference import lookup
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 3, (40, 16), generator=g)
+    seqlens = torch.randint(0, 16, (40,), generator=g, dtype=torch.int32)
+    chain, found = lookup.prompt_lookup_chain(tokens, seqlens, 9, 1, 3)
+    for b in range(40):
+        ctx, p = tokens[b].tolist(), int(seqlens[b])
+        want = [ctx[p]] * 10, False
+        for n in (3, 2, 1):
+            starts = [i + n for i in range(p - n + 1) if p >= n - 1 and ctx[i:i + n] == ctx[p - n + 1:p + 1]]
+            if starts:
+                s = max(starts)
+                want = [ctx[p]] + [ctx[s + k % (p + 1 - s)] for k in range(9)], True
+                break
+        assert (chain[b].tolist(), bool(found[b])) == want, b
 
 
 @pytest.mark.parametrize("name", list(_sample_args()))
