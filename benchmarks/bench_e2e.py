@@ -74,6 +74,7 @@ def methods(pair: Pair) -> dict[str, tuple]:
     out = {
         VANILLA_FA: (lambda: None, (1,), None),
         "PLD chain 6": (PromptLookupDrafter, (1,) * 6, None),
+        "PLD chain 16": (PromptLookupDrafter, (1,) * 16, None),
         "streaming self-spec chain 4": (lambda: StreamingSelfDrafter(sink=32, window=1024), (1,) * 4, None),
     }
     for name, draft in pair.drafts.items():

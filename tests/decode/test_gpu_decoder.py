@@ -7,7 +7,9 @@ import copy
 import pytest
 import torch
 
-from longspec import LongSpecDraft, LongSpecDrafter, PromptLookupDrafter, SpeculativeDecoder, StreamingSelfDrafter
+from longspec import (AdaptiveBudget, LongSpecDraft, LongSpecDrafter, MergedDrafter, PromptLookupDrafter,
+                      SpeculativeDecoder, StreamingSelfDrafter, TreeSpec)
+from longspec.decode.budget import CostModel
 from longspec.testing import first_divergence
 
 from ..conftest import requires_cuda
@@ -78,6 +80,29 @@ def test_fp32_seed_exact_sampling(temperature, top_k, top_p):
     spec = SpeculativeDecoder(target, PromptLookupDrafter(), tree_shape=(3, 3, 3), cuda_graphs=True).generate(
         ids, 48, **kw).sequences
     assert_same_tokens(spec, plain)
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 1.0, "top_p": 0.9, "seed": 1234}], ids=["greedy", "seeded"])
+def test_fp32_adaptive_merged_equals_plain(sampling):
+    """The adaptive merged drafter under CUDA graphs (prompt lookup's chain in ``prompt_lookup_chain``'s kernels,
+    the budget's statistics in ``record_acceptance_``'s, every option a captured graph): float32 greedy and
+    seed-exact sampled tokens equal plain decoding's while the budget switches between options."""
+    target = _cuda_target("llama-gqa-d64", torch.float32)
+    ids, mask = ragged_batch([130, 63], seed=3, period=17)
+    ids, mask = ids.cuda(), mask.cuda()
+    plain = SpeculativeDecoder(target, None, cuda_graphs=True).generate(ids, 48, attention_mask=mask,
+                                                                        **sampling).sequences
+    budget = AdaptiveBudget(explore=2.0, window=4, budgets=(2, 4, 8), depths=(2,))
+    drafter = MergedDrafter(LongSpecDrafter(LongSpecDraft.from_target(target)), PromptLookupDrafter())
+    dec = SpeculativeDecoder(target, drafter, tree_shape=TreeSpec.merged((2, 4, 4), (1,) * 6), cuda_graphs=True,
+                             budget=budget)
+    # a round costs 10 + 0.3 us per node, a plain one 7 us, drafting is free: the choice moves between options
+    budget.costs = CostModel({b: {o.nodes: (7.0, 0.0) if o.spec is None else (10.0 + 0.3 * o.nodes, 0.0)
+                                  for o in budget.options} for b in (2,)},
+                             {b: {o.draft_key: (0.0, 0.0) for o in budget.options} for b in (2,)})
+    out = dec.generate(ids, 48, attention_mask=mask, **sampling)
+    assert_same_tokens(out.sequences, plain)
+    assert len(set(out.stats.option_per_round)) >= 2, out.stats.option_per_round
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
