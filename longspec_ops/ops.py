@@ -225,7 +225,7 @@ def prompt_lookup_chain(tokens: Tensor, seqlens: Tensor, depth: int, min_ngram: 
     Returns:
         ``chain`` int64 ``[B, depth + 1]``: the root, then the tokens that followed the match; where they reach the
         root they repeat the text from the match to the root (a period of a repeating pattern); a row without a
-        match repeats its root. ``found`` bool ``[B]``: whether the row matched. On CUDA one Triton launch
+        match repeats its root. ``found`` bool ``[B]``: whether the row matched. On CUDA two Triton launches
         (:mod:`longspec_ops.kernels.lookup`).
     """
     _checks.check_lookup(tokens, seqlens, depth, min_ngram, max_ngram)

@@ -7,7 +7,7 @@ the root once it reaches the root (a match that recent is a period of a repeatin
 continuations are merged into the tree as a trie: the best match is the chain along index 0 of every level, other
 matches branch off where they differ (distinct siblings), and slots no match fills get a cheap guess (a repeat of
 the level's first node). A chain (one node per depth, the best match alone) is one fused op,
-``torch.ops.longspec.prompt_lookup_chain`` (one Triton launch on CUDA); a tree is batched tensor ops on the
+``torch.ops.longspec.prompt_lookup_chain`` (two Triton launches on CUDA); a tree is batched tensor ops on the
 context's device (``unfold`` for the matching, :mod:`longspec_ops.reference.lookup`), with loops over n-gram sizes
 and depths only.
 """
