@@ -313,6 +313,18 @@ def check_record(proposed, accepted, realised, mass, seen, keys, within, contain
                  within=within, contained=contained, accept_index=accept_index, accept_len=accept_len, active=active)
 
 
+def check_record_values(proposed: Tensor, keys: Tensor, accept_index: Tensor, accept_len: Tensor) -> None:
+    """Cells inside the tables, paths inside the tree. Syncs a CUDA device; skipped under capture or tracing."""
+    op = "record_acceptance_"
+    if not _values_readable(keys, accept_index, accept_len):
+        return
+    cells, (T, A) = proposed.shape[0], (keys.shape[1], accept_index.shape[1])
+    for name, t, lo, hi in (("keys", keys, 0, cells - 1), ("accept_len", accept_len, 1, A),
+                            ("accept_index", accept_index, 0, T - 1)):
+        if t.numel() and (int(t.min()) < lo or int(t.max()) > hi):
+            _fail(op, f"{name} values must lie in [{lo}, {hi}], got min {int(t.min())}, max {int(t.max())}")
+
+
 def check_invariant_attn(q, k_cache, v_cache, cache_seqlens, ancestors, depths, scale) -> None:
     op = "invariant_attn"
     _qkv(op, q, "k_cache", k_cache, "v_cache", v_cache, "[B, N, Hkv, D]")

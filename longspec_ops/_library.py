@@ -402,6 +402,7 @@ def _record_fake(*args):
 
 def _record_cpu(*args):
     _checks.check_record(*args)
+    _checks.check_record_values(args[0], args[5], args[8], args[9])
     stats_ref.record_acceptance_(*args)
 
 

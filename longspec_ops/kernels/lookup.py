@@ -29,7 +29,8 @@ def _lookup_partial_kernel(tok_ptr, stride_b, seqlens_ptr, part_ptr, C, S,
     b = tl.program_id(0)
     chunk = tl.program_id(1)
     row = tok_ptr + b.to(tl.int64) * stride_b
-    last = tl.minimum(tl.load(seqlens_ptr + b).to(tl.int64), C - 1)  # the root's column (clamped into the row)
+    # the root's column, clamped into the row: a bad length never reads outside it (the raw op reads no values)
+    last = tl.maximum(tl.minimum(tl.load(seqlens_ptr + b).to(tl.int64), C - 1), 0)
     best = tl.full([BLOCK], -1, tl.int64)
     for lo in tl.static_range(0, CHUNK, BLOCK):
         e = chunk.to(tl.int64) * CHUNK + lo + tl.arange(0, BLOCK)  # the window's last column; a start is e + 1
@@ -48,7 +49,7 @@ def _lookup_chain_kernel(tok_ptr, stride_b, seqlens_ptr, part_ptr, out_ptr, foun
                          DEPTH: tl.constexpr, DEPTH_P2: tl.constexpr, BLOCK_S: tl.constexpr):
     b = tl.program_id(0)
     row = tok_ptr + b.to(tl.int64) * stride_b
-    last = tl.minimum(tl.load(seqlens_ptr + b).to(tl.int64), C - 1)
+    last = tl.maximum(tl.minimum(tl.load(seqlens_ptr + b).to(tl.int64), C - 1), 0)
     best = tl.full([BLOCK_S], -1, tl.int64)
     for lo in range(0, S, BLOCK_S):
         i = lo + tl.arange(0, BLOCK_S)

@@ -43,12 +43,13 @@ def _record_kernel(proposed, accepted, realised, mass, seen, keys, within, conta
         a = tl.load(active + b, mask=m, other=0) != 0
         length = tl.load(accept_len + b, mask=m, other=0)
         path = tl.load(accept_index + b[:, None] * sab + j[None, :] * saj,
-                       mask=m[:, None] & (j[None, :] < length[:, None]), other=-1)
+                       mask=m[:, None] & (j[None, :] < length[:, None]) & (j[None, :] < A), other=-1)
         on = (tl.sum((path == t[:, None]).to(tl.int32), axis=1) > 0).to(tl.float32)
         w = tl.where(a & (t > 0), 1.0, 0.0)
         key = tl.load(keys + b * skb + t * skt, mask=m, other=0)
-        tl.atomic_add(proposed + key, w, mask=m)
-        tl.atomic_add(accepted + key, w * on, mask=m)
+        inside = m & (key >= 0) & (key < cells)  # the raw op reads no values: a bad cell is skipped, not written
+        tl.atomic_add(proposed + key, w, mask=inside)
+        tl.atomic_add(accepted + key, w * on, mask=inside)
         row_w = tl.where(a, 1.0 / tl.maximum(n_live, 1.0), 0.0)
         wk = tl.load(within + (b * swb + t * swt)[:, None] + k[None, :] * swk, mask=m[:, None] & mk[None, :],
                      other=0.0)

@@ -160,6 +160,8 @@ def test_record_acceptance_bad_input():
                         ({"within": torch.zeros(B, T, K + 1)}, r"within must have shape \[2, 5, 3\]"),
                         ({"keys": torch.zeros(B, T, dtype=torch.int32)}, "keys must be torch.int64"),
                         ({"proposed": torch.zeros(cells, 2)[:, 0]}, "proposed must be contiguous"),
-                        ({"rate": 0.0}, r"decay and rate must lie in \(0, 1\]")):
+                        ({"rate": 0.0}, r"decay and rate must lie in \(0, 1\]"),
+                        ({"keys": torch.full((B, T), cells, dtype=torch.int64)}, r"keys values must lie in \[0, 19\]"),
+                        ({"accept_len": torch.full((B,), A + 1)}, r"accept_len values must lie in \[1, 4\]")):
         with pytest.raises(ValueError, match=match):
             ops.record_acceptance_(*args(**over))

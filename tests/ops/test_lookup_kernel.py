@@ -55,3 +55,13 @@ def test_chain_spans_blocks_and_repeats_the_period(monkeypatch):
     assert torch.equal(chain.cpu(), want[0]) and torch.equal(found.cpu(), want[1])
     assert chain[0, :2].tolist() == [3, 4]
     assert chain[1].tolist() == [7, 5, 6, 7, 5, 6, 7, 5, 6]
+
+
+def test_kernel_clamps_bad_lengths():
+    """The raw CUDA op reads no values on the host; its kernel clamps a root column outside the row into it (the
+    checked wrappers and the CPU op reject it instead)."""
+    tokens = _texts(3, 20, seed=9)[0][:2]
+    bad = torch.tensor([-3, 25], dtype=torch.int32, device=DEVICE)
+    got = K.prompt_lookup_chain(tokens, bad, 5, 1, 3)
+    want = ref.prompt_lookup_chain(tokens.cpu(), torch.tensor([0, 19], dtype=torch.int32), 5, 1, 3)
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])

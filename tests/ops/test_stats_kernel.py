@@ -49,3 +49,21 @@ def test_record_matches_reference(B, T, Kopt, A, cells, rows, monkeypatch):
             assert torch.equal(got.cpu(), exp), name
         else:
             torch.testing.assert_close(got.cpu(), exp, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_record_kernel_skips_cells_outside_the_tables():
+    """The raw CUDA op reads no values on the host: a node whose cell lies outside the tables is not counted (the
+    CPU op rejects it); every other effect of the round is the reference's on the in-range nodes."""
+    state, inputs = _round(2, 9, 4, 3, 30, seed=3, active=torch.ones(2, dtype=torch.bool))
+    keys = inputs[0].clone()
+    keys[0, 3], keys[1, 5] = -1, 30
+    inputs_bad = [keys] + inputs[1:]
+    want = [t.clone().cpu() for t in state]
+    K.record_acceptance_(*state, *inputs_bad, 0.9, 0.2)
+    # the reference on a copy of the tables with one spare cell that takes the out-of-range nodes
+    spare = [torch.cat([want[0], torch.zeros(1)]), torch.cat([want[1], torch.zeros(1)])] + want[2:]
+    ref.record_acceptance_(*spare, *[t.cpu() for t in [keys.clamp(0, 30).masked_fill(keys < 0, 30)] + inputs[1:]],
+                           0.9, 0.2)
+    torch.testing.assert_close(state[0].cpu(), spare[0][:30], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state[1].cpu(), spare[1][:30], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state[2].cpu(), spare[2], rtol=1e-5, atol=1e-5)
