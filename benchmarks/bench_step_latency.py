@@ -334,8 +334,7 @@ ADAPTIVE_COLUMNS = [("model", "model", ""), ("context", "N", ""), ("compile", "c
 ADAPTIVE_NOTES = ["bf16, batch 1, CUDA graphs; times in us; random weights except `pair`. round = draft + verify + "
                   "accept with the host sync (wall; under the budget also the tail's report read and a choice); "
                   "round/fixed: over the fixed PLD chain 16 (the 17-node PLD option), 6 (the other PLD options) or the "
-                  "fixed 69-node LongSpec tree (the "
-                  "others). `python -m benchmarks.bench_step_latency --adaptive`"]
+                  "fixed 69-node LongSpec tree (the others). `python -m benchmarks.bench_step_latency --adaptive`"]
 
 
 def _main_rank() -> bool:
