@@ -185,13 +185,15 @@ def _values_readable(*ts: Tensor) -> bool:
     return True
 
 
-def check_lengths(op: str, name: str, lens: Tensor, limit: int) -> None:
-    """Every value of ``lens`` must lie in [0, limit]. Syncs a CUDA device; skipped under capture or tracing."""
+def check_lengths(op: str, name: str, lens: Tensor, limit: int, *, low: int = 0, why: str | None = None) -> None:
+    """Every value of ``lens`` must lie in [low, limit] (``why``: what the bound is, default the cache's rows). Syncs
+    a CUDA device; skipped under capture or tracing."""
     if lens.numel() == 0 or not _values_readable(lens):
         return
     lo, hi = int(lens.min()), int(lens.max())
-    if lo < 0 or hi > limit:
-        _fail(op, f"{name} values must lie in [0, {limit}] (the cache holds {limit} rows), got min {lo}, max {hi}")
+    if lo < low or hi > limit:
+        why = f"the cache holds {limit} rows" if why is None else why
+        _fail(op, f"{name} values must lie in [{low}, {limit}] ({why}), got min {lo}, max {hi}")
 
 
 def check_commit_values(kv_cache: Tensor, cache_seqlens: Tensor, accept_index: Tensor, accept_lens: Tensor) -> None:
@@ -268,12 +270,8 @@ def check_lookup(tokens: Tensor, seqlens: Tensor, depth: int, min_ngram: int, ma
 
 def check_lookup_values(tokens: Tensor, seqlens: Tensor) -> None:
     """Every root column must lie in tokens' row. Syncs a CUDA device; skipped under capture or tracing."""
-    if seqlens.numel() == 0 or not _values_readable(seqlens):
-        return
-    lo, hi = int(seqlens.min()), int(seqlens.max())
-    if lo < 0 or hi > tokens.shape[1] - 1:
-        _fail("prompt_lookup_chain", f"seqlens values (the root's column) must lie in [0, {tokens.shape[1] - 1}] "
-                                     f"(tokens has {tokens.shape[1]} columns), got min {lo}, max {hi}")
+    C = tokens.shape[1]
+    check_lengths("prompt_lookup_chain", "seqlens", seqlens, C - 1, why=f"the root's column: tokens has {C} columns")
 
 
 def check_record(proposed, accepted, realised, mass, seen, keys, within, contained, accept_index, accept_len,
@@ -316,13 +314,9 @@ def check_record(proposed, accepted, realised, mass, seen, keys, within, contain
 def check_record_values(proposed: Tensor, keys: Tensor, accept_index: Tensor, accept_len: Tensor) -> None:
     """Cells inside the tables, paths inside the tree. Syncs a CUDA device; skipped under capture or tracing."""
     op = "record_acceptance_"
-    if not _values_readable(keys, accept_index, accept_len):
-        return
-    cells, (T, A) = proposed.shape[0], (keys.shape[1], accept_index.shape[1])
-    for name, t, lo, hi in (("keys", keys, 0, cells - 1), ("accept_len", accept_len, 1, A),
-                            ("accept_index", accept_index, 0, T - 1)):
-        if t.numel() and (int(t.min()) < lo or int(t.max()) > hi):
-            _fail(op, f"{name} values must lie in [{lo}, {hi}], got min {int(t.min())}, max {int(t.max())}")
+    check_lengths(op, "keys", keys, proposed.shape[0] - 1, why="the statistics cells")
+    check_lengths(op, "accept_len", accept_len, accept_index.shape[1], low=1, why="the accepted path's columns")
+    check_lengths(op, "accept_index", accept_index, keys.shape[1] - 1, why="the verified nodes")
 
 
 def check_invariant_attn(q, k_cache, v_cache, cache_seqlens, ancestors, depths, scale) -> None:

@@ -132,7 +132,8 @@ def test_prompt_lookup_chain_bad_input():
         ((tokens, lens[:1], 4, 1, 3), r"seqlens must have shape \[B\] = \(2,\)"),
         ((tokens, lens, 0, 1, 3), "depth must be >= 1"),
         ((tokens, lens, 4, 3, 2), "need 1 <= min_ngram <= max_ngram"),
-        ((tokens, torch.tensor([9, 3], dtype=torch.int32), 4, 1, 3), r"must lie in \[0, 8\] \(tokens has 9 columns\)"),
+        ((tokens, torch.tensor([9, 3], dtype=torch.int32), 4, 1, 3),
+         r"seqlens values must lie in \[0, 8\] \(the root's column: tokens has 9 columns\)"),
     ]
     for args, match in cases:
         with pytest.raises(ValueError, match=match):
