@@ -24,6 +24,8 @@ def tree_mask_from_parents(parents: Tensor, spec: TreeSpec) -> Tensor:
         bool ``[B, M, M]``: ``mask[b, i, j]`` is True when node j is node i or one of its ancestors.
     """
     B, M = parents.shape
+    if all(n == 1 for n in spec.shape):  # a chain: every node's parent is the one before it
+        return torch.ones(B, M, M, dtype=torch.bool, device=parents.device).tril_()
     mask = torch.eye(M, dtype=torch.bool, device=parents.device).expand(B, M, M).clone()
     # Level by level: a node's row is its parent's row (complete, since parents are one level up) plus itself.
     for d in range(1, spec.depth + 1):
