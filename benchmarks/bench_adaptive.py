@@ -21,6 +21,10 @@ every round scores every option by the tau it would have realised (the per-round
 decode; T = 0; contexts above the pair's largest use the largest). Projected speedup over plain decoding = tau x plain round / option round; the adaptive
 budget picks the option :meth:`~longspec.AdaptiveBudget.choose` picks; the fixed row is the whole 69-node tree.
 
+(c) **Batched, on the shipped pair**: the methods of (a) on ``B`` held-out prompts of ``--batch-context`` tokens
+decoded as one batch, for each B of ``--batch-sizes`` (default 4 and 16), T = 0 and T = 1. The adaptive budget
+chooses one option per round for the batch (one forward), each row keeping its own best nodes of it.
+
 Usage (GPU, about 6 minutes on one H200): ``python -m benchmarks.bench_adaptive --out RESULTS``.
 CPU smoke run (tiny sizes, what the test suite runs): ``python -m benchmarks.bench_adaptive --smoke --out DIR``.
 """
@@ -99,14 +103,15 @@ def pair_methods(draft, tree: tuple, chain: int, explore: float = 1.0) -> dict[s
     }
 
 
-def make_decoder(target, factory, shape, budget_factory, cuda: bool, calibrate_at=None) -> tuple:
-    """(decoder, seconds spent calibrating): the adaptive decoder's costs are measured before its first prompt."""
+def make_decoder(target, factory, shape, budget_factory, cuda: bool, calibrate_at=None, batch: int = 1) -> tuple:
+    """(decoder, seconds spent calibrating): the adaptive decoder's costs are measured (at the prompts' batch size)
+    before its first prompt."""
     budget = budget_factory() if budget_factory is not None else None
     dec = SpeculativeDecoder(target, factory(), tree_shape=shape, cuda_graphs=cuda, budget=budget)
     seconds = 0.0
     if budget is not None:
         t0 = time.perf_counter()
-        budget.costs = dec.calibrate(1, calibrate_at)
+        budget.costs = dec.calibrate(batch, calibrate_at)
         seconds = time.perf_counter() - t0
     return dec, seconds
 
@@ -141,15 +146,16 @@ def decode_all(dec, prompts, new_tokens: int, temperature: float, device: str) -
 def bench_pair(pair, prompts_by_ctx, new_tokens: int, temperatures, device: str, tree: tuple,
                on_rows=None, explore: float = 1.0) -> tuple[list[dict], CostModel]:
     """Every method at every (context, temperature), one decoder per method for the whole run (warmed up on the
-    largest context first, so its cache and graphs serve every prompt). Returns the rows and the adaptive decoder's
-    calibrated costs (saved as ``pair_costs.json``, to replay its choices elsewhere)."""
+    largest context first, so its cache and graphs serve every prompt). A prompt may be a batch ``[B, S]`` (every
+    prompt of the run the same B: the adaptive decoder is calibrated at B). Returns the rows and the adaptive
+    decoder's calibrated costs (saved as ``pair_costs.json``, to replay its choices elsewhere)."""
     cuda = device.startswith("cuda")
     contexts = sorted(prompts_by_ctx)
     longest = prompts_by_ctx[contexts[-1]][0][0].to(device)
     decoders, meta = {}, {}
     for name, (factory, shape, budget_factory) in pair_methods(pair.draft, tree, len(tree), explore).items():
         dec, calib_s = make_decoder(pair.target, factory, shape, budget_factory, cuda,
-                                    calibrate_at=sorted({contexts[0], contexts[-1]}))
+                                    calibrate_at=sorted({contexts[0], contexts[-1]}), batch=longest.shape[0])
         dec.generate(longest, 4, eos_token_id=[])  # warm-up: kernels, graphs, the cache at its largest
         decoders[name] = dec
         if budget_factory is not None:
@@ -284,6 +290,7 @@ PAIR_COLUMNS = [("context", "context", ""), ("T", "T", ""), ("method", "method",
                 ("vs_best_fixed", "vs best fixed", ".2f"), ("nodes_per_round", "nodes/round", ".1f"),
                 ("predicted_tau", "predicted tau", ".2f"), ("realised_tau", "realised tau", ".2f"),
                 ("identical_to_plain", "same as plain", "")]
+BATCH_COLUMNS = [("batch", "batch", "")] + PAIR_COLUMNS
 PROJ_COLUMNS = [("context", "context", ""), ("batch", "batch", ""), ("adaptive_option", "adaptive option", ""),
                 ("tau_adaptive", "tau (adaptive)", ".2f"), ("tau_fixed69", "tau (69)", ".2f"),
                 ("round_us_plain", "plain round us", ".0f"), ("round_us_fixed69", "69-node round us", ".0f"),
@@ -302,6 +309,9 @@ def main(argv=None) -> None:
     ap.add_argument("--proj-layers", type=int, nargs=2, default=[2, 4], help="the two layer counts timed")
     ap.add_argument("--reps", type=int, default=3, help="timed rounds per option, context and batch")
     ap.add_argument("--explore", type=float, default=1.0, help="the adaptive drafter's AdaptiveBudget(explore=)")
+    ap.add_argument("--batch-sizes", type=int, nargs="*", default=[4, 16],
+                    help="(c) batched decoding on the pair at --batch-context: B held-out prompts in one batch")
+    ap.add_argument("--batch-context", type=int, default=8192)
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run: the code path, not a measurement")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="default: benchmarks/results/<gpu>/")
@@ -310,6 +320,7 @@ def main(argv=None) -> None:
     if a.smoke:
         a.device, a.contexts, a.prompts, a.new_tokens = "cpu", [160], 1, 6
         a.proj_contexts, a.proj_batches, a.reps = [256, 512], [1, 2], 1
+        a.batch_sizes, a.batch_context = [2], 160
         overrides = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                          vocab_size=256, head_dim=16)
     from longspec.pretrained import load_code_pair
@@ -336,6 +347,25 @@ def main(argv=None) -> None:
     _, pair_costs = bench_pair(pair, prompts, a.new_tokens, a.temperatures, a.device, tree, on_rows=write_pair,
                                explore=a.explore)
     print(f"(a) done at {time.perf_counter() - t_start:.0f} s", flush=True)
+    if a.batch_sizes:
+        with torch.inference_mode():
+            pool = pair_prompts(pair.tokenizer, [a.batch_context], max(a.batch_sizes))
+        batch_rows = []
+        for B in a.batch_sizes:
+            group, names = pool.get(a.batch_context, ([], []))
+            if len(group) < B:
+                print(f"batch {B}: only {len(group)} held-out prompts at {a.batch_context}; skipped", flush=True)
+                continue
+            rows, _ = bench_pair(pair, {a.batch_context: ([torch.cat(group[:B])], names[:B])}, a.new_tokens,
+                                 a.temperatures, a.device, tree, explore=a.explore)
+            batch_rows += [{"batch": B, **r} for r in rows]
+            write_results("adaptive_batch", batch_rows, a.out, meta=meta, columns=BATCH_COLUMNS,
+                          title="Adaptive merged drafter on the shipped pair, batched",
+                          notes=["B held-out prompts of the same context decoded as one batch; tau per row, "
+                                 "tokens/s of the whole batch (prefill and graph capture excluded); `vs best "
+                                 "fixed` as in adaptive.md, at the same batch; `python -m benchmarks.bench_adaptive "
+                                 "--batch-sizes ...`"])
+        print(f"(c) done at {time.perf_counter() - t_start:.0f} s", flush=True)
     taus = option_taus(pair, prompts, a.new_tokens, a.device, tree)
     print(f"option taus done at {time.perf_counter() - t_start:.0f} s", flush=True)
     del pair

@@ -11,7 +11,7 @@ from longspec.decode.budget import CostModel
 
 
 def test_adaptive_benchmark_smoke(tmp_path):
-    """Both parts of the benchmark on tiny sizes: every method's output equals plain decoding at T = 0 and T = 1,
+    """Every part of the benchmark on tiny sizes: every method's output equals plain decoding at T = 0 and T = 1,
     the adaptive row reports its nodes and predicted tau, and the projection writes a loadable cost model."""
     cmd = [sys.executable, "-m", "benchmarks.bench_adaptive", "--smoke", "--out", str(tmp_path)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[2],
@@ -34,3 +34,6 @@ def test_adaptive_benchmark_smoke(tmp_path):
     costs = CostModel.load(tmp_path / "llama3_8b_costs.json")
     assert set(costs.verify) == {1, 2}
     assert (tmp_path / "adaptive.md").read_text().count("\n| ") == len(rows) + 1
+    batched = json.loads((tmp_path / "adaptive_batch.json").read_text())["rows"]  # part (c): B = 2
+    assert {r["batch"] for r in batched} == {2} and len(batched) == len(rows)
+    assert all(r["identical_to_plain"] and r["tau"] >= 1.0 for r in batched), batched
