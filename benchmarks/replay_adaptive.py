@@ -17,6 +17,9 @@ be this code's). ``--fixed-costs FILE`` (JSON ``{method: [a, b]}``, us = a + b *
 rounds; default :data:`FIXED_US`, typed in from ``benchmarks/results/h200/step_latency_adaptive.md`` (the pair, 8k,
 ``compile=False``; the LongSpec chain, never timed there, scaled from the fixed tree by their ratio in
 ``adaptive_f8d1efe.md``) with a context slope from ``step_latency.md``'s plain decode (840 us at 8k, 870 at 32k).
+Those are greedy rounds: at T = 1 the adaptive drafter's rounds cost its model's sampled verify times (the cost model
+must hold them: ``bench_adaptive`` calibrates them at its first T = 1 call), the fixed methods' do not, so at T = 1
+the fixed rows are modelled too fast by the sampled tail's extra cost (~190 us a round on the H200 at batch 1).
 
 Usage (about five minutes on two CPU cores): ``python -m benchmarks.replay_adaptive --out DIR``.
 """
@@ -35,7 +38,8 @@ from benchmarks.bench_adaptive import ADAPTIVE, FIXED, LONGSPEC_CHAIN, LONGSPEC_
     pair_methods, pair_prompts
 from benchmarks.harness import write_results
 from longspec import SpeculativeDecoder
-from longspec.decode.budget import CostModel
+from longspec.decode.budget import CostModel, tail_label
+from longspec.decode.sampling import SamplingParams
 from longspec.testing import first_difference
 
 SLOPE = (870.0 - 840.0) / (32768 - 8192)  # us per committed token: the pair's plain decode, 8k -> 32k (H200)
@@ -44,9 +48,9 @@ COSTS = Path(__file__).parent / "results" / "h200" / "pair_costs.json"
 # fixed methods' rounds at 8k (a, b), step_latency_adaptive.md: plain (the decode the PLD chain's round / decode
 # ratio implies), the PLD chains of 6 and 16, the 69-node tree; the LongSpec chain of 5 = the tree's x 2221 / 2632
 # (their e2e rounds at 8k, adaptive_f8d1efe.md)
-FIXED_US = {PLAIN: (1088.0 / 1.27 - SLOPE * AT, SLOPE), PLD: (1088.0 - SLOPE * AT, SLOPE),
-            PLD_DEEP: (1112.0 - SLOPE * AT, SLOPE), LONGSPEC_TREE: (2520.0 - SLOPE * AT, SLOPE),
-            LONGSPEC_CHAIN: (2520.0 * 2221 / 2632 - SLOPE * AT, SLOPE)}
+FIXED_US = {PLAIN: (1084.0 / 1.26 - SLOPE * AT, SLOPE), PLD: (1084.0 - SLOPE * AT, SLOPE),
+            PLD_DEEP: (1083.0 - SLOPE * AT, SLOPE), LONGSPEC_TREE: (2525.0 - SLOPE * AT, SLOPE),
+            LONGSPEC_CHAIN: (2525.0 * 2221 / 2632 - SLOPE * AT, SLOPE)}
 
 
 def load_fixed(path) -> dict[str, tuple[float, float]]:
@@ -77,8 +81,9 @@ def decode(dec, name: str, prompts, new_tokens: int, temperature: float, costs: 
         if name == ADAPTIVE:
             labels = out.stats.option_per_round
             by_label = {o.label: o for o in dec.budget.options}
+            tail = tail_label(SamplingParams(temperature=temperature))
             seconds += modelled_us(out, ids.shape[1],
-                                   lambda r, c: costs.round_us(by_label[labels[r]], c, 1)) / 1e6
+                                   lambda r, c: costs.round_us(by_label[labels[r]], c, 1, tail)) / 1e6
             options.update(labels)
         else:
             a, b = fixed[name]
@@ -100,9 +105,12 @@ def replay(pair, prompts_by_ctx, new_tokens: int, temperatures, costs, fixed) ->
         dec = SpeculativeDecoder(pair.target, factory(), tree_shape=shape, budget=budget)
         if budget is not None:
             budget.costs = costs
-            if not costs.covers(1, budget.options):
-                raise ValueError("--costs: the cost model does not cover every adaptive option at batch 1 (calibrated "
-                                 "for other options: rerun benchmarks.bench_adaptive on the GPU)")
+            for temperature in temperatures:  # greedy and sampled rounds have their own verify costs
+                tail = tail_label(SamplingParams(temperature=temperature))
+                if not costs.covers(1, budget.options, tail):
+                    raise ValueError(f"--costs: the cost model does not cover every adaptive option at batch 1 for "
+                                     f"{tail or 'greedy'} rounds (calibrated for other options or sampling: rerun "
+                                     f"benchmarks.bench_adaptive on the GPU)")
         decoders[name] = dec
     rows = []
     for ctx, (prompts, packages) in sorted(prompts_by_ctx.items()):

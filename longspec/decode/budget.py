@@ -8,10 +8,11 @@ promising nodes (EAGLE-2's rule: rank by cumulative probability, keep the top; h
 calibrated, below). Every option is a static shape, so each replays from its own CUDA graphs.
 
 * **Cost** (:class:`CostModel`): microseconds of the verify forward plus the tail per node count, and of each draft
-  variant, linear in the committed length, per batch size. Measured on the device at first use by
-  :meth:`~longspec.decode.decoder.SpeculativeDecoder.calibrate` (a few timed steps on a synthetic cache) and cached
-  on disk per device, dtype, model shape, tree and batch; or loaded from a file (e.g. one derived from the step
-  benchmark's measurements).
+  variant, linear in the committed length, per batch size, the verify part apart for greedy and for sampled rounds
+  (a draw at T > 0 costs more per node, most at batch > 1). Measured on the device at first use by
+  :meth:`~longspec.decode.decoder.SpeculativeDecoder.calibrate` (a few timed steps on a synthetic cache, with the
+  call's sampling settings) and cached on disk per device, dtype, model shape, tree, batch and sampling filters; or
+  loaded from a file (e.g. one derived from the step benchmark's measurements).
 * **Ranking** (:class:`AcceptanceStats`, one per decoder and sampling setting): counts of proposed and accepted nodes
   by (drafter, depth, draft-score bucket), so a node's acceptance probability is estimated from what nodes like it
   did (the draft's own probability is the prior). Inside a pool, a node is ranked by that estimate capped by its
@@ -132,51 +133,70 @@ def default_options(spec: TreeSpec, budgets: Sequence[int] = (2, 4, 8, 16, 32, 6
 class CostModel:
     """Measured costs in microseconds, per batch size, each ``a + b * context`` (context = committed length).
 
-    verify: ``{batch: {nodes: (a, b)}}``: the target forward over a tree of that many nodes plus the round's tail.
-    draft:  ``{batch: {draft_key: (a, b)}}``: growing that pool and pruning it (``"plain"``: the drafters'
-            catch-up in a plain round).
-    meta:   where the numbers came from (device, model, how measured).
+    verify:  ``{batch: {nodes: (a, b)}}``: the target forward over a tree of that many nodes plus the round's tail,
+             greedy.
+    draft:   ``{batch: {draft_key: (a, b)}}``: growing that pool and pruning it (``"plain"``: the drafters'
+             catch-up in a plain round).
+    sampled: ``{tail: {batch: {nodes: (a, b)}}}``: as ``verify`` for rounds that sample (``tail``:
+             :func:`tail_label` of the sampling settings). Drawing at T > 0 costs more per node than an argmax,
+             most at batch > 1: on the H200, shipped pair, 8k, batch 16, a sampled round took 243 us more than a
+             greedy one with a 17-node tree and 37 us more with the root alone, so greedy costs would make drafting
+             look cheaper than it is there.
+    meta:    where the numbers came from (device, model, how measured).
     """
 
     verify: dict[int, dict[int, tuple[float, float]]] = field(default_factory=dict)
     draft: dict[int, dict[str, tuple[float, float]]] = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
+    sampled: dict[str, dict[int, dict[int, tuple[float, float]]]] = field(default_factory=dict)
 
-    def covers(self, batch: int, options: Sequence[BudgetOption]) -> bool:
-        """Whether every option's pieces have a cost at this batch."""
-        v, d = self.verify.get(batch, {}), self.draft.get(batch, {})
+    def _verify_table(self, batch: int, tail: Optional[str]) -> dict[int, tuple[float, float]]:
+        return (self.verify if tail is None else self.sampled.get(tail, {})).get(batch, {})
+
+    def covers(self, batch: int, options: Sequence[BudgetOption], tail: Optional[str] = None) -> bool:
+        """Whether every option's pieces have a cost at this batch (for rounds with this sampling ``tail``; None:
+        greedy)."""
+        v, d = self._verify_table(batch, tail), self.draft.get(batch, {})
         return all(o.nodes in v and o.draft_key in d for o in options)
 
-    def verify_us(self, context: float, nodes: int, batch: int) -> float:
-        a, b = self.verify[batch][nodes]
+    def verify_us(self, context: float, nodes: int, batch: int, tail: Optional[str] = None) -> float:
+        a, b = self._verify_table(batch, tail)[nodes]
         return a + b * context
 
     def draft_us(self, key: str, context: float, batch: int) -> float:
         a, b = self.draft[batch][key]
         return a + b * context
 
-    def round_us(self, option: BudgetOption, context: float, batch: int) -> float:
-        return self.verify_us(context, option.nodes, batch) + self.draft_us(option.draft_key, context, batch)
+    def round_us(self, option: BudgetOption, context: float, batch: int, tail: Optional[str] = None) -> float:
+        return self.verify_us(context, option.nodes, batch, tail) + self.draft_us(option.draft_key, context, batch)
 
     def update(self, other: "CostModel") -> "CostModel":
         """Add ``other``'s entries (they win where both have one); returns self."""
-        for mine, theirs in ((self.verify, other.verify), (self.draft, other.draft)):
+        tables = [(self.verify, other.verify), (self.draft, other.draft)]
+        tables += [(self.sampled.setdefault(tail, {}), t) for tail, t in other.sampled.items()]
+        for mine, theirs in tables:
             for batch, table in theirs.items():
                 mine.setdefault(batch, {}).update(table)
         self.meta.update(other.meta)
         return self
 
     def to_json(self) -> dict:
-        return {"verify": {str(b): {str(n): list(c) for n, c in t.items()} for b, t in self.verify.items()},
-                "draft": {str(b): {k: list(c) for k, c in t.items()} for b, t in self.draft.items()},
-                "meta": self.meta}
+        def rows(t):
+            return {str(b): {str(n): list(c) for n, c in tab.items()} for b, tab in t.items()}
+
+        out = {"verify": rows(self.verify), "draft": rows(self.draft), "meta": self.meta}
+        if self.sampled:
+            out["sampled"] = {tail: rows(t) for tail, t in self.sampled.items()}
+        return out
 
     @classmethod
     def from_json(cls, data: dict) -> "CostModel":
+        def rows(t, key=int):
+            return {int(b): {key(n): tuple(c) for n, c in tab.items()} for b, tab in t.items()}
+
         try:
-            return cls({int(b): {int(n): tuple(c) for n, c in t.items()} for b, t in data["verify"].items()},
-                       {int(b): {k: tuple(c) for k, c in t.items()} for b, t in data["draft"].items()},
-                       dict(data.get("meta", {})))
+            return cls(rows(data["verify"]), rows(data["draft"], str), dict(data.get("meta", {})),
+                       {tail: rows(t) for tail, t in data.get("sampled", {}).items()})
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"not a cost model (expected 'verify' and 'draft' tables by batch): {e}") from e
 
@@ -352,7 +372,7 @@ class AdaptiveBudget:
     @costs.setter
     def costs(self, costs: Optional[CostModel]) -> None:
         self._costs = costs
-        self._lines: dict[int, list[tuple[float, float]]] = {}
+        self._lines: dict[tuple[int, Optional[str]], list[tuple[float, float]]] = {}
 
     # -- set-up (host) ------------------------------------------------------------------------------------------------
 
@@ -405,18 +425,18 @@ class AdaptiveBudget:
         return self._stats[key]
 
     def choose(self, context: float, batch: int, realised: Sequence[float], seen: Sequence[bool],
-               exploration: Exploration) -> int:
+               exploration: Exploration, tail: Optional[str] = None) -> int:
         """The option index for the next round (host), counted into ``exploration``: the largest option on the
         first round; then the best optimistic realised tau per microsecond (a plain round realises exactly 1, with
-        no bonus)."""
+        no bonus), at the costs of rounds with this sampling ``tail`` (:func:`tail_label`; None: greedy)."""
         if not any(seen):
             index = self.largest
         else:
-            if batch not in self._lines:  # each option's round cost a + b * context, looked up once per batch
+            if (batch, tail) not in self._lines:  # each option's round cost a + b * context, looked up once
                 c = self.costs
-                self._lines[batch] = [tuple(x + y for x, y in zip(c.verify[batch][o.nodes],
-                                                                  c.draft[batch][o.draft_key]))
-                                      for o in self.options]
+                verify = c._verify_table(batch, tail)
+                self._lines[(batch, tail)] = [tuple(x + y for x, y in zip(verify[o.nodes], c.draft[batch][o.draft_key]))
+                                              for o in self.options]
             log_n = math.log(max(exploration.rounds, 2.0))
             floor = 1.0 / self.window  # a count never scored gets the bonus of 1 / window rounds
             # a tree that surely holds another's kept nodes realises at least what that one did (at T = 0 the
@@ -431,7 +451,7 @@ class AdaptiveBudget:
             # falls just short of a plain round verified every round)
             bonus = self.explore * gain * math.sqrt(log_n)
             fresh = 1.0 / math.sqrt(self.window)
-            costs = [max(a + b * context, 1e-9) for a, b in self._lines[batch]]
+            costs = [max(a + b * context, 1e-9) for a, b in self._lines[(batch, tail)]]
             # exploring is priced: an option's bonus shrinks by its cost over the cost of the option the means alone
             # would choose (a 3 ms tree explored where 0.9 ms plain rounds win costs 2 rounds' worth), and optimism
             # never exceeds what the option can realise, its deepest path plus the bonus token (a chain that copied
@@ -637,9 +657,15 @@ def root_tree(root: Tensor) -> DraftTree:
                      zeros, torch.zeros(B, 1, device=root.device), zeros)
 
 
+def tail_label(params) -> Optional[str]:
+    """What a round's cost depends on in the sampling settings: None for greedy rounds, else the filters the draws
+    apply (top-k, top-p: a top-p draw sorts the vocabulary), e.g. ``"sampled top_k=0 top_p=1"``."""
+    return None if params.greedy else f"sampled top_k={params.top_k} top_p={params.top_p:g}"
+
+
 def sampling_key(params) -> tuple:
     """What acceptance depends on in the sampling settings (the seed does not matter)."""
     return ("greedy",) if params.greedy else (round(params.temperature, 4), params.top_k, round(params.top_p, 4))
 
 
-__all__ = ["AcceptanceStats", "AdaptiveBudget", "BudgetOption", "CostModel", "default_options", "fit_line"]
+__all__ = ["AcceptanceStats", "AdaptiveBudget", "BudgetOption", "CostModel", "default_options", "fit_line", "tail_label"]

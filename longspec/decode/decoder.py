@@ -49,7 +49,7 @@ from longspec.model.target import (
     use_longspec_attention,
 )
 
-from .budget import AcceptanceStats, AdaptiveBudget, CostModel, fit_line, root_tree, sampling_key
+from .budget import AcceptanceStats, AdaptiveBudget, CostModel, fit_line, root_tree, sampling_key, tail_label
 from .drafter import DecodeState, DraftTree, Drafter, TreeSpec
 from .graphs import CapturedCall, CapturedDraft
 from .prompt import Prompt, eos_ids, output_sequences, pad_id, prepare_prompt
@@ -281,7 +281,7 @@ class SpeculativeDecoder:
         eos = eos_ids(eos_token_id, self.target)
         timer = PhaseTimer(device, enabled=self.phase_times)
         if self.budget is not None:
-            self._ensure_costs(prompt.tokens.shape[0], total)
+            self._ensure_costs(prompt.tokens.shape[0], total, params)
         t0 = time.perf_counter()
         with torch.inference_mode(), use_longspec_attention(self.target):
             run = self._start(prompt, params, eos, max_new_tokens, generator)
@@ -339,10 +339,12 @@ class SpeculativeDecoder:
             self.drafter.prefill(state, self.tree)
         return run
 
-    def synthetic_run(self, context: int, batch: int = 1, rounds: int = 64, seed: int = 0) -> Run:
-        """A greedy run over ``context`` committed rows of random K/V and random tokens, with no prefill, room for
+    def synthetic_run(self, context: int, batch: int = 1, rounds: int = 64, seed: int = 0,
+                      params: Optional[SamplingParams] = None) -> Run:
+        """A run over ``context`` committed rows of random K/V and random tokens, with no prefill, room for
         ``rounds`` more rounds and no stop: what the step benchmarks time (a round's cost depends on the committed
-        length and the shapes, not on the values). Drive it with :meth:`step`."""
+        length, the shapes and the sampling settings, not on the values). Greedy unless ``params`` (unseeded
+        sampling draws from a seeded counter instead: the same kernels). Drive it with :meth:`step`."""
         device = self.target.get_output_embeddings().weight.device
         max_new = rounds * (self.tree.depth + 1) + 1
         cache = self._cache_for(batch, context + max_new + self._scratch_rows())
@@ -354,8 +356,10 @@ class SpeculativeDecoder:
         lens = torch.full((batch,), context, dtype=torch.int64, device=device)
         no_stop = torch.zeros(0, dtype=torch.int64, device=device)
         with torch.inference_mode(), use_longspec_attention(self.target):
-            return self._begin(cache, tokens, lens, tokens[:, context].clone(), SamplingParams(), no_stop, max_new,
-                               None)
+            params = SamplingParams() if params is None else params
+            if not params.greedy and params.seed is None:
+                params = dataclasses.replace(params, seed=seed)
+            return self._begin(cache, tokens, lens, tokens[:, context].clone(), params, no_stop, max_new, None)
 
     @contextlib.contextmanager
     def rounds(self) -> Iterator[None]:
@@ -370,15 +374,19 @@ class SpeculativeDecoder:
         ``option`` (an index into ``budget.options``) forces the adaptive budget's choice."""
         self._round(run, timer or PhaseTimer(run.state.root.device, enabled=False), None, option)
 
-    def calibrate(self, batch: int, contexts: Sequence[int], reps: int = 3) -> CostModel:
+    def calibrate(self, batch: int, contexts: Sequence[int], reps: int = 3,
+                  params: Optional[SamplingParams] = None) -> CostModel:
         """Measure the adaptive budget's costs on this device: every option's round at each committed length in
-        ``contexts`` (a synthetic run, as :meth:`synthetic_run`), split by phase into draft (per draft variant) and
-        verify + tail (per node count); each fitted as ``a + b * context``. Runs outside ``generate``."""
+        ``contexts`` (a synthetic run, as :meth:`synthetic_run`, greedy or with the sampling ``params``), split by
+        phase into draft (per draft variant) and verify + tail (per node count: the model's ``verify`` table, or
+        its ``sampled`` one under :func:`~longspec.decode.budget.tail_label` of sampled ``params``); each fitted as
+        ``a + b * context``. Runs outside ``generate``."""
         budget = self.budget
         if budget is None:
             raise ValueError("calibrate needs a decoder built with budget=AdaptiveBudget(...)")
         options = budget.options
-        run = self.synthetic_run(max(contexts), batch, rounds=len(options) * (reps + 1) * len(contexts) + 2)
+        run = self.synthetic_run(max(contexts), batch, rounds=len(options) * (reps + 1) * len(contexts) + 2,
+                                 params=params)
         run.stats = AcceptanceStats(max(1, len(self.tree.parts)), self.tree.depth, len(options), run.state.root.device)
         verify: dict[int, list] = {}
         draft: dict[str, list] = {}
@@ -393,21 +401,24 @@ class SpeculativeDecoder:
                     us = {k: v * 1e6 / reps for k, v in timer.seconds().items()}
                     verify.setdefault(option.nodes, []).append((context, us["verify"] + us["accept"]))
                     draft.setdefault(option.draft_key, []).append((context, us["draft"]))
-        return CostModel({batch: {n: fit_line(p) for n, p in verify.items()}},
-                         {batch: {k: fit_line(p) for k, p in draft.items()}},
-                         {"device": str(run.state.root.device), "contexts": list(contexts), "reps": reps})
+        tail = tail_label(run.params)
+        table = {batch: {n: fit_line(p) for n, p in verify.items()}}
+        return CostModel({} if tail else table, {batch: {k: fit_line(p) for k, p in draft.items()}},
+                         {"device": str(run.state.root.device), "contexts": list(contexts), "reps": reps},
+                         {tail: table} if tail else {})
 
-    def _ensure_costs(self, batch: int, extent: int) -> None:
-        """Make sure the budget has costs for this batch: given, cached on disk, or calibrated now (and cached)."""
-        budget = self.budget
-        if budget.costs is not None and budget.costs.covers(batch, budget.options):
+    def _ensure_costs(self, batch: int, extent: int, params: SamplingParams) -> None:
+        """Make sure the budget has costs for this batch and sampling: given, cached on disk, or calibrated now
+        (and cached)."""
+        budget, tail = self.budget, tail_label(params)
+        if budget.costs is not None and budget.costs.covers(batch, budget.options, tail):
             return
         path = budget.cost_file(self)
         costs = budget.costs or CostModel()
         if path.is_file():
             costs.update(CostModel.load(path))
-        if not costs.covers(batch, budget.options):
-            costs.update(self.calibrate(batch, sorted({max(1, extent // 4), extent})))
+        if not costs.covers(batch, budget.options, tail):
+            costs.update(self.calibrate(batch, sorted({max(1, extent // 4), extent}), params=params))
             costs.save(path)
         budget.costs = costs
 
@@ -532,7 +543,7 @@ class SpeculativeDecoder:
         if self.budget is None:
             return None
         return self.budget.choose(run.context, run.state.root.shape[0], run.realised, run.seen,
-                                  run.stats.exploration)
+                                  run.stats.exploration, tail_label(run.params))
 
     def _draft(self, run: Run, index: Optional[int]) -> tuple[DraftTree, Optional[Tensor], Optional[tuple]]:
         """The round's complete tree, and under a budget its option's realised tau and what the tail's

@@ -404,9 +404,39 @@ def test_calibration_runs_once_and_is_cached(tmp_path, monkeypatch):
     assert first.costs.covers(2, options) and len(list((tmp_path / "costs").iterdir())) == 1
     second = AdaptiveBudget(options=options, cache_dir=tmp_path)
     dec2 = SpeculativeDecoder(target, PromptLookupDrafter(), tree_shape=spec, budget=second)
+    # a sampled call calibrates its own verify costs (a draw costs more than an argmax) once, under its filters
+    sampled = dict(max_new_tokens=6, attention_mask=mask, temperature=1.0, top_p=0.9, seed=3)
+    dec.generate(ids, **sampled)
+    tail = "sampled top_k=0 top_p=0.9"
+    assert first.costs.covers(2, options, tail) and set(first.costs.sampled) == {tail}
     monkeypatch.setattr(SpeculativeDecoder, "calibrate", lambda *a, **k: pytest.fail("calibrated again"))
+    dec.generate(ids, **sampled)
     dec2.generate(ids, max_new_tokens=4, attention_mask=mask)
     assert second.costs.to_json()["verify"] == first.costs.to_json()["verify"]
+    dec2.generate(ids, **sampled)  # from the file
+    assert second.costs.to_json()["sampled"] == first.costs.to_json()["sampled"]
+
+
+def test_sampled_rounds_are_chosen_at_sampled_costs(tmp_path):
+    """Greedy and sampled rounds have their own verify costs: where a draw makes the tree round dearer, the same
+    realised tau that pays greedy loses to a plain round when sampling; the tables survive a save and load."""
+    spec = TreeSpec((1, 1, 1))
+    budget = AdaptiveBudget(budgets=(2,), depths=(3,), explore=0.0)
+    budget.bind(spec)
+    labels = [o.label for o in budget.options]
+    assert labels == ["plain", "1-1-1/2", "1-1-1/4"]
+    greedy = {1: (1000.0, 0.0), 2: (1100.0, 0.0), 4: (1200.0, 0.0)}
+    sampled = {1: (1200.0, 0.0), 2: (1500.0, 0.0), 4: (2000.0, 0.0)}
+    tail = "sampled top_k=0 top_p=1"
+    costs = CostModel({1: greedy}, {1: {"plain": (0.0, 0.0), "1-1-1": (20.0, 0.0)}}, {}, {tail: {1: sampled}})
+    costs.save(tmp_path / "c.json")
+    budget.costs = CostModel.load(tmp_path / "c.json")
+    assert budget.costs.to_json() == costs.to_json()
+    assert budget.costs.round_us(budget.options[2], 8192, 1, tail) == 2020.0
+    assert budget.costs.covers(1, budget.options, tail) and not budget.costs.covers(1, budget.options, "sampled x")
+    realised, seen = [1.0, 1.2, 1.6], [True] * 3
+    assert labels[budget.choose(8192, 1, realised, seen, Exploration([1.0] * 3, 1.0))] == "1-1-1/4"
+    assert labels[budget.choose(8192, 1, realised, seen, Exploration([1.0] * 3, 1.0), tail)] == "plain"
 
 
 def test_bad_budget_arguments():
