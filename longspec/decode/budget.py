@@ -150,17 +150,18 @@ class CostModel:
     meta: dict = field(default_factory=dict)
     sampled: dict[str, dict[int, dict[int, tuple[float, float]]]] = field(default_factory=dict)
 
-    def _verify_table(self, batch: int, tail: Optional[str]) -> dict[int, tuple[float, float]]:
+    def verify_table(self, batch: int, tail: Optional[str] = None) -> dict[int, tuple[float, float]]:
+        """``{nodes: (a, b)}`` of this batch's greedy (``tail`` None) or sampled rounds (empty when not measured)."""
         return (self.verify if tail is None else self.sampled.get(tail, {})).get(batch, {})
 
     def covers(self, batch: int, options: Sequence[BudgetOption], tail: Optional[str] = None) -> bool:
         """Whether every option's pieces have a cost at this batch (for rounds with this sampling ``tail``; None:
         greedy)."""
-        v, d = self._verify_table(batch, tail), self.draft.get(batch, {})
+        v, d = self.verify_table(batch, tail), self.draft.get(batch, {})
         return all(o.nodes in v and o.draft_key in d for o in options)
 
     def verify_us(self, context: float, nodes: int, batch: int, tail: Optional[str] = None) -> float:
-        a, b = self._verify_table(batch, tail)[nodes]
+        a, b = self.verify_table(batch, tail)[nodes]
         return a + b * context
 
     def draft_us(self, key: str, context: float, batch: int) -> float:
@@ -434,8 +435,8 @@ class AdaptiveBudget:
         else:
             if (batch, tail) not in self._lines:  # each option's round cost a + b * context, looked up once
                 c = self.costs
-                verify = c._verify_table(batch, tail)
-                self._lines[(batch, tail)] = [tuple(x + y for x, y in zip(verify[o.nodes], c.draft[batch][o.draft_key]))
+                verify, draft = c.verify_table(batch, tail), c.draft[batch]
+                self._lines[(batch, tail)] = [tuple(x + y for x, y in zip(verify[o.nodes], draft[o.draft_key]))
                                               for o in self.options]
             log_n = math.log(max(exploration.rounds, 2.0))
             floor = 1.0 / self.window  # a count never scored gets the bonus of 1 / window rounds
@@ -668,4 +669,5 @@ def sampling_key(params) -> tuple:
     return ("greedy",) if params.greedy else (round(params.temperature, 4), params.top_k, round(params.top_p, 4))
 
 
-__all__ = ["AcceptanceStats", "AdaptiveBudget", "BudgetOption", "CostModel", "default_options", "fit_line", "tail_label"]
+__all__ = ["AcceptanceStats", "AdaptiveBudget", "BudgetOption", "CostModel", "default_options", "fit_line",
+           "tail_label"]

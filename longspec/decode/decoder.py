@@ -343,8 +343,9 @@ class SpeculativeDecoder:
                       params: Optional[SamplingParams] = None) -> Run:
         """A run over ``context`` committed rows of random K/V and random tokens, with no prefill, room for
         ``rounds`` more rounds and no stop: what the step benchmarks time (a round's cost depends on the committed
-        length, the shapes and the sampling settings, not on the values). Greedy unless ``params`` (unseeded
-        sampling draws from a seeded counter instead: the same kernels). Drive it with :meth:`step`."""
+        length, the shapes and the sampling settings, not on the values). Greedy unless ``params``; unseeded
+        sampling runs seeded here (its draws come from a counter instead of a ``torch.Generator``: the same filters
+        and about the same work). Drive it with :meth:`step`."""
         device = self.target.get_output_embeddings().weight.device
         max_new = rounds * (self.tree.depth + 1) + 1
         cache = self._cache_for(batch, context + max_new + self._scratch_rows())
