@@ -19,7 +19,8 @@ rounds; default :data:`FIXED_US`, typed in from ``benchmarks/results/h200/step_l
 ``adaptive_f8d1efe.md``) with a context slope from ``step_latency.md``'s plain decode (840 us at 8k, 870 at 32k).
 Those are greedy rounds: at T = 1 the adaptive drafter's rounds cost its model's sampled verify times (the cost model
 must hold them: ``bench_adaptive`` calibrates them at its first T = 1 call), the fixed methods' do not, so at T = 1
-the fixed rows are modelled too fast by the sampled tail's extra cost (~190 us a round on the H200 at batch 1).
+the fixed rows are modelled too fast by the sampled tail's extra cost (160-180 us a round on the H200 at batch 1,
+``NOTES.md``).
 
 Usage (about five minutes on two CPU cores): ``python -m benchmarks.replay_adaptive --out DIR``.
 """

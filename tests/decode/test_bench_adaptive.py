@@ -27,6 +27,9 @@ def test_adaptive_benchmark_smoke(tmp_path):
     # the chosen options are counted, each a label whose draft cost the saved calibration holds
     assert all(sum(r["options"].values()) >= 1 for r in adaptive)
     pair_costs = CostModel.load(tmp_path / "pair_costs.json")  # part (a)'s calibration, to replay choices
+    # the T = 1 rounds were chosen at sampled costs, calibrated apart from the greedy ones (replay_adaptive needs both)
+    sampled = pair_costs.sampled
+    assert set(sampled) == {"sampled top_k=0 top_p=1"} and set(sampled["sampled top_k=0 top_p=1"]) == {1}
     assert set(pair_costs.verify) == {1} and all(k.rsplit("/", 1)[0] in pair_costs.draft[1] or k == "plain"
                                                  for r in adaptive for k in r["options"])
     projection = json.loads((tmp_path / "adaptive_projection.json").read_text())["rows"]
