@@ -59,7 +59,7 @@ import time
 
 import torch
 
-from benchmarks.harness import write_results
+from benchmarks.harness import environment, results_dir, write_results
 from benchmarks.timing import measure_peaks
 from longspec.testing import PUBLISHED_CONFIGS
 
@@ -147,6 +147,35 @@ def round_times(dec, context: int, iters: int, option=None) -> dict:
     return {"phases_us": phases, "round_wall_us": wall, "first_round_s": first, "run": run}
 
 
+def profile_draft(dec, context: int, replays: int = 10, rows: int = 40) -> str:
+    """torch.profiler's kernel table over ``replays`` replays of ``dec``'s captured draft graph (its ``propose``)
+    at ``context`` committed rows: where a draft step's device time goes, kernel by kernel."""
+    run = dec.synthetic_run(context, rounds=8)
+    with dec.rounds():
+        dec.step(run)  # compiles and captures the draft graph
+        graph = run.draft_graphs[None].graph
+        graph.replay()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(replays):
+                graph.replay()
+            torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=90)
+
+
+def draft_floor_us(draft, target, context: int, depth: int, vocab_rows: int, copy_bytes_per_s: float) -> float:
+    """The bytes a draft step must read over the copy bandwidth: per level (``depth`` levels run) the block's live
+    weights (not the dead cross-attention k/v projections), ``vocab_rows`` rows of the LM head and the target's
+    last-layer K/V of the committed rows (the cross-attention)."""
+    dead = {"cross_attn.k_proj.weight", "cross_attn.k_proj.bias", "cross_attn.v_proj.weight", "cross_attn.v_proj.bias"}
+    block = sum(_local_bytes(p) for n, p in draft.named_parameters() if n not in dead)
+    head = target.get_output_embeddings().weight
+    head_bytes = vocab_rows * head.shape[1] * head.element_size()
+    c = draft.config
+    kv = 2 * context * c.num_key_value_heads * c.head_dim * head.element_size()
+    return depth * (block + head_bytes + kv) / copy_bytes_per_s * 1e6
+
+
 def linear_floor_us(target, rows: int, iters: int) -> float:
     """All of the target's nn.Linear layers (LM head included) at M = ``rows``, one graph, cold weights."""
     lins = [m for m in target.modules() if isinstance(m, torch.nn.Linear)]
@@ -192,7 +221,9 @@ def _local_bytes(t: torch.Tensor) -> int:
 
 def measure(name: str, contexts: list[int], compiles: list[bool], draft_vocab: int, iters: int, peaks: dict,
             on_row=lambda row: None, tp: bool = False, cuda_graphs: bool = True, device: str = "cuda",
-            numerics: tuple[str, ...] = ("fast",), tree: tuple[int, ...] = TREE) -> list:
+            numerics: tuple[str, ...] = ("fast",), tree: tuple[int, ...] = TREE, profile=None) -> list:
+    """``profile``: a callable taking (model, context, kernel table) of the draft step with the reduced vocabulary
+    (the full one without it), for every context of the compiled fast rows."""
     from longspec import LongSpecDrafter, Numerics, SpeculativeDecoder
     from longspec.model.draft import frequent_tokens
 
@@ -221,17 +252,27 @@ def measure(name: str, contexts: list[int], compiles: list[bool], draft_vocab: i
                    "verify_us": s["phases_us"]["verify"], "draft_us": s["phases_us"]["draft"],
                    "accept_us": s["phases_us"]["accept"], "round_wall_us": s["round_wall_us"],
                    "first_round_decode_s": d["first_round_s"], "first_round_spec_s": s["first_round_s"]}
+            if reduced is None and profile is not None and compile and mode == "fast":
+                profile(name, context, profile_draft(spec, context))
             if reduced is not None:
                 draft.set_draft_vocab(reduced)
                 spec_r = SpeculativeDecoder(target, LongSpecDrafter(draft), tree_shape=tree,
                                             cuda_graphs=cuda_graphs, compile=compile, numerics=num)
                 r = round_times(spec_r, context, iters)
+                if profile is not None and compile and mode == "fast":
+                    profile(name, context, profile_draft(spec_r, context))
                 row["draft_vocab"] = draft_vocab
                 row["draft_reduced_us"] = r["phases_us"]["draft"]
                 row["round_reduced_wall_us"] = r["round_wall_us"]
                 del spec_r
                 draft.set_draft_vocab(None)
             row["round_us"] = row["draft_us"] + row["verify_us"] + row["accept_us"]
+            bw = peaks["copy_bytes_per_s"]
+            row["draft_floor_us"] = draft_floor_us(draft, target, context, len(tree), vocab, bw)
+            row["draft_vs_floor"] = row["draft_us"] / row["draft_floor_us"]
+            if reduced is not None:
+                row["draft_reduced_floor_us"] = draft_floor_us(draft, target, context, len(tree), draft_vocab, bw)
+                row["draft_reduced_vs_floor"] = row["draft_reduced_us"] / row["draft_reduced_floor_us"]
             cache = s["run"].state.cache
             kv_bytes = cache.kv[:, :, :, :context].numel() * cache.kv.element_size()
             row["bytes_floor_us"] = (weights + kv_bytes) / peaks["copy_bytes_per_s"] * 1e6
@@ -357,7 +398,9 @@ COLUMNS = [("model", "model", ""), ("gpus", "GPUs", ""), ("context", "N", ""), (
            ("numerics", "numerics", ""),
            ("decode_us", "decode", ".0f"), ("decode_floor_us", "floor", ".0f"), ("decode_vs_floor", "x", ".2f"),
            ("verify_us", "verify", ".0f"), ("verify_floor_us", "floor", ".0f"), ("verify_vs_floor", "x", ".2f"),
-           ("draft_us", "draft", ".0f"), ("draft_reduced_us", "draft (reduced)", ".0f"), ("accept_us", "accept", ".0f"),
+           ("draft_us", "draft", ".0f"), ("draft_floor_us", "floor", ".0f"), ("draft_vs_floor", "x", ".2f"),
+           ("draft_reduced_us", "draft (reduced)", ".0f"), ("draft_reduced_floor_us", "floor", ".0f"),
+           ("draft_reduced_vs_floor", "x", ".2f"), ("accept_us", "accept", ".0f"),
            ("round_wall_us", "round", ".0f"), ("round_per_decode", "round/decode", ".2f"),
            ("round_reduced_per_decode", "reduced round/decode", ".2f"), ("first_round_spec_s", "first round s", ".1f"),
            ("round_wall_vs_fast", "round vs fast", ".2f"), ("decode_wall_vs_fast", "decode vs fast", ".2f")]
@@ -418,6 +461,8 @@ def main(argv=None) -> None:
                          "4 16 16 16 11 is 64, one 64-row tile of the invariant linears)")
     ap.add_argument("--numerics", choices=("fast", "invariant", "both"), default="fast",
                     help="the target's numerics (longspec.Numerics); both: fast and invariant rows in one run")
+    ap.add_argument("--profile", action="store_true",
+                    help="also write draft_profile.txt: torch.profiler's kernel table of the compiled draft step")
     ap.add_argument("--adaptive", action="store_true",
                     help="only the adaptive / merged rounds (step_latency_adaptive), not the floors")
     a = ap.parse_args(argv)
@@ -462,10 +507,20 @@ def main(argv=None) -> None:
         if _main_rank():
             write(rows, meta, a.out, plot=False, suite=suite)
 
+    profiles = []
+
+    def on_profile(model, context, table):
+        profiles.append(f"## {model}, N = {context}, tree {meta['tree']}: 10 replays of the captured draft graph\n\n"
+                        f"{table}\n")
+        if _main_rank():
+            out = results_dir(a.out)
+            (out / "draft_profile.txt").write_text(f"git {environment()['git_sha']}\n\n" + "\n".join(profiles))
+
     for name in a.models:
         vocab_size = a.draft_vocab if name != "pair" else min(a.draft_vocab, 2048)
         measure(name, a.contexts, compiles, vocab_size, a.iters, peaks, on_row, tp=a.tp,
-                cuda_graphs=a.cuda_graphs == "on", device=device, numerics=numerics, tree=tree)
+                cuda_graphs=a.cuda_graphs == "on", device=device, numerics=numerics, tree=tree,
+                profile=on_profile if a.profile else None)
         torch.cuda.empty_cache()
     if _main_rank():
         print((write(rows, meta, a.out, suite=suite) / f"{suite}.md").read_text(), flush=True)

@@ -28,6 +28,7 @@ except ImportError as _err:  # a pure-Python install
         )
 
 from .ops import (  # noqa: E402
+    beam_topk,
     commit_kv_,
     draft_cross_attn,
     hybrid_tree_attn,
@@ -47,6 +48,7 @@ def has_cuda_kernels() -> bool:
 
 
 __all__ = [
+    "beam_topk",
     "commit_kv_",
     "draft_cross_attn",
     "has_cuda_kernels",

@@ -77,13 +77,14 @@ def _lengths(op: str, name: str, lens: Tensor, q: Tensor, allow_per_query: bool)
         _fail(op, f"{name} must have shape {want} = {' or '.join(str(s) for s in ok)}, got {tuple(lens.shape)}")
 
 
-def _mask(op: str, tree_mask: Tensor, q: Tensor, M_keys: int) -> None:
-    _rank(op, "tree_mask", tree_mask, 3, "[B, M, M]")
+def _mask(op: str, tree_mask: Tensor, q: Tensor, num_keys: int) -> None:
+    _rank(op, "tree_mask", tree_mask, 3, "[B, M, K]")
     if tree_mask.dtype != torch.bool:
         _fail(op, f"tree_mask must be bool, got {tree_mask.dtype}")
-    want = (q.shape[0], q.shape[1], M_keys)
+    want = (q.shape[0], q.shape[1], num_keys)
     if tuple(tree_mask.shape) != want:
-        _fail(op, f"tree_mask must have shape [B, M, M] = {want}, got {tuple(tree_mask.shape)}")
+        _fail(op, f"tree_mask must have shape [B, M, K] = {want} (M queries, K tree keys), got "
+                  f"{tuple(tree_mask.shape)}")
 
 
 def _scale(op: str, scale: float) -> None:
@@ -114,9 +115,7 @@ def check_merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> N
 
 def check_tree(q: Tensor, k: Tensor, v: Tensor, tree_mask: Tensor, scale: float) -> None:
     op = "tree_attn"
-    _qkv(op, q, "k", k, "v", v, "[B, M, Hkv, D]")
-    if k.shape[1] != q.shape[1]:
-        _fail(op, f"k must hold the M = {q.shape[1]} tree tokens, got {k.shape[1]} rows")
+    _qkv(op, q, "k", k, "v", v, "[B, K, Hkv, D]")
     _mask(op, tree_mask, q, k.shape[1])
     _scale(op, scale)
     _same_device(op, q=q, k=k, v=v, tree_mask=tree_mask)
@@ -133,13 +132,11 @@ def check_prefix(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_lens: Tensor, s
 def check_hybrid(q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, tree_mask, scale) -> None:
     op = "hybrid_tree_attn"
     _qkv(op, q, "k_cache", k_cache, "v_cache", v_cache, "[B, N, Hkv, D]")
-    _qkv(op, q, "k_tree", k_tree, "v_tree", v_tree, "[B, M, Hkv, D]")
-    if k_tree.shape[1] != q.shape[1]:
-        _fail(op, f"k_tree must hold the M = {q.shape[1]} tree tokens, got {k_tree.shape[1]} rows")
+    _qkv(op, q, "k_tree", k_tree, "v_tree", v_tree, "[B, K, Hkv, D]")
     if k_tree.shape[2] != k_cache.shape[2]:
         _fail(op, f"k_tree heads ({k_tree.shape[2]}) must equal k_cache heads ({k_cache.shape[2]})")
     _lengths(op, "cache_seqlens", cache_seqlens, q, allow_per_query=False)
-    _mask(op, tree_mask, q, q.shape[1])
+    _mask(op, tree_mask, q, k_tree.shape[1])
     _scale(op, scale)
     _same_device(op, q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
                  k_tree=k_tree, v_tree=v_tree, tree_mask=tree_mask)
@@ -351,3 +348,21 @@ def check_invariant_attn_values(k_cache: Tensor, cache_seqlens: Tensor, ancestor
     reach = int((cache_seqlens.to(torch.int64)[:, None, None] + anc).max())
     if reach > k_cache.shape[1] - 1:
         _fail(op, f"cache_seqlens + ancestors reaches row {reach}, beyond the cache's {k_cache.shape[1]} rows")
+
+
+def check_beam(logits: Tensor, cum_logp: Tensor, width: int) -> None:
+    op = "beam_topk"
+    _rank(op, "logits", logits, 3, "[B, P, V]")
+    if logits.dtype not in _FLOATS:
+        _fail(op, f"logits must be float16, bfloat16, float32 or float64, got {logits.dtype}")
+    B, P, V = logits.shape
+    if P < 1 or V < 1:
+        _fail(op, f"logits must hold at least one parent and one column, got shape {tuple(logits.shape)}")
+    if not isinstance(cum_logp, Tensor) or cum_logp.dtype != torch.float32 or tuple(cum_logp.shape) != (B, P):
+        _fail(op, f"cum_logp must be float32 [B, P] = ({B}, {P}), got "
+                  f"{getattr(cum_logp, 'dtype', type(cum_logp).__name__)} {tuple(getattr(cum_logp, 'shape', ()))}")
+    if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= P * V:
+        _fail(op, f"width must be an int in [1, P * V] = [1, {P * V}], got {width!r}")
+    if P * V >= 1 << 32:
+        _fail(op, f"P * V must be below 2^32 (the kernel's index keys), got {P * V}")
+    _same_device(op, logits=logits, cum_logp=cum_logp)

@@ -16,7 +16,7 @@ clamp lengths into range (out-of-range commit rows are skipped): a bad value can
 cache. The CPU ops check values, and so do the typed wrappers in :mod:`longspec_ops.ops` on every device.
 
 Conventions (flash-attn layout): q ``[B, M, Hq, D]``; caches ``[B, N, Hkv, D]`` with rows ``[0, len)`` valid; tree
-k/v ``[B, M, Hkv, D]``; lse float32 ``[B, Hq, M]`` in natural log; out has q's dtype and is contiguous. Any strides
+k/v ``[B, K, Hkv, D]`` under a bool ``[B, M, K]`` mask (K = M for a whole tree); lse float32 ``[B, Hq, M]`` in natural log; out has q's dtype and is contiguous. Any strides
 with a contiguous last dimension are accepted. An empty key set gives out 0 and lse -inf.
 """
 from __future__ import annotations
@@ -26,6 +26,7 @@ from torch import Tensor
 
 from . import _checks
 from .reference import attention as ref
+from .reference import beam as beam_ref
 from .reference import invariant as inv_ref
 from .reference import lookup as lookup_ref
 from .reference import stats as stats_ref
@@ -57,6 +58,12 @@ def _lookup_kernels():
     from .kernels import lookup
 
     return lookup
+
+
+def _beam_kernels():
+    from .kernels import beam
+
+    return beam
 
 
 def _stats_kernels():
@@ -388,6 +395,31 @@ def _lookup_cuda(tokens, seqlens, depth, min_ngram, max_ngram):
 
 lib.impl("prompt_lookup_chain", _lookup_cpu, "CPU")
 lib.impl("prompt_lookup_chain", _lookup_cuda, "CUDA")
+
+# beam_topk -----------------------------------------------------------------------------------------------------
+lib.define("beam_topk(Tensor logits, Tensor cum_logp, int width) -> (Tensor parent, Tensor column, Tensor score)")
+
+
+@torch.library.register_fake("longspec::beam_topk", lib=lib)
+def _beam_fake(logits, cum_logp, width):
+    _checks.check_beam(logits, cum_logp, width)
+    B = logits.shape[0]
+    idx = logits.new_empty((B, width), dtype=torch.int64)
+    return idx, torch.empty_like(idx), logits.new_empty((B, width), dtype=torch.float32)
+
+
+def _beam_cpu(logits, cum_logp, width):
+    _checks.check_beam(logits, cum_logp, width)
+    return beam_ref.beam_topk(logits, cum_logp, width)
+
+
+def _beam_cuda(logits, cum_logp, width):
+    _checks.check_beam(logits, cum_logp, width)
+    return _beam_kernels().beam_topk(logits, cum_logp, width)
+
+
+lib.impl("beam_topk", _beam_cpu, "CPU")
+lib.impl("beam_topk", _beam_cuda, "CUDA")
 
 # record_acceptance_ --------------------------------------------------------------------------------------------
 lib.define("record_acceptance_(Tensor(a!) proposed, Tensor(b!) accepted, Tensor(c!) realised, Tensor(d!) mass, "

@@ -45,8 +45,9 @@ def tree_attn(q: Tensor, k: Tensor, v: Tensor, tree_mask: Tensor, scale: Optiona
     """Masked attention among the M tree tokens (the paper's fused_mask_attn).
 
     Args:
-        q: ``[B, M, Hq, D]``; k, v: ``[B, M, Hkv, D]`` with ``Hq % Hkv == 0``.
-        tree_mask: bool ``[B, M, M]``, True where query i may see key j (any boolean mask).
+        q: ``[B, M, Hq, D]``; k, v: ``[B, K, Hkv, D]`` with ``Hq % Hkv == 0`` (K = M for a whole tree; a level of
+            a tree under construction may attend to more keys than it has queries).
+        tree_mask: bool ``[B, M, K]``, True where query i may see key j (any boolean mask).
         scale: softmax scale, default ``1/sqrt(D)``.
 
     Returns:
@@ -95,7 +96,7 @@ def hybrid_tree_attn(
 
     Args:
         q: ``[B, M, Hq, D]``; k_cache, v_cache: ``[B, N, Hkv, D]``; cache_seqlens: int32 ``[B]``.
-        k_tree, v_tree: ``[B, M, Hkv, D]``; tree_mask: bool ``[B, M, M]``.
+        k_tree, v_tree: ``[B, K, Hkv, D]``; tree_mask: bool ``[B, M, K]`` (K = M for a whole tree).
         scale: softmax scale, default ``1/sqrt(D)``.
 
     Returns:
@@ -232,3 +233,26 @@ def prompt_lookup_chain(tokens: Tensor, seqlens: Tensor, depth: int, min_ngram: 
     if tokens.is_cuda:  # the CPU op checks values itself
         _checks.check_lookup_values(tokens, seqlens)
     return _ops.prompt_lookup_chain(tokens, seqlens, int(depth), int(min_ngram), int(max_ngram))
+
+
+def beam_topk(logits: Tensor, cum_logp: Tensor, width: int) -> tuple[Tensor, Tensor, Tensor]:
+    """One beam-tree level: the global top-``width`` (parent, column) pairs by cumulative log-probability.
+
+    Args:
+        logits: float ``[B, P, V]``, the drafter's next-token logits at each of P parents (any float dtype: read
+            once in it, scored in float32).
+        cum_logp: float32 ``[B, P]``, the parents' cumulative log-probabilities.
+        width: pairs to keep, ``1 <= width <= P * V``.
+
+    Returns:
+        ``parent`` int64 ``[B, width]``, ``column`` int64 ``[B, width]`` and ``score`` float32 ``[B, width]`` =
+        ``cum_logp[parent] + log_softmax(logits[parent])[column]``, best first; ties go to the lower parent, then the
+        lower column. On CUDA two Triton launches (:mod:`longspec_ops.kernels.beam`).
+
+    Example::
+
+        >>> logits = torch.randn(1, 4, 32000)                     # 4 parents
+        >>> parent, column, score = longspec_ops.beam_topk(logits, torch.zeros(1, 4), 16)
+    """
+    _checks.check_beam(logits, cum_logp, width)
+    return _ops.beam_topk(logits, cum_logp, int(width))

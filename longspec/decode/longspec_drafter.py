@@ -14,19 +14,19 @@ included) plus its ancestors and itself; the left edge depends on the node's dep
 * ``win_k/win_v [B, W+1, Hkv, D]``: the ring re-read newest first (row j = position ``root - j``), once per round.
   The attention ops see rows ``[0, len)`` of a cache, and in this order every query's window is such a prefix:
   ``min(W + 1 - d, root + 1)`` rows at depth d. (A ring read in place would need a cyclic range per row.)
-* ``tree_k/tree_v [B, T-1, Hkv, D]``, ``tree_q [B, T-1, Hq, D]``: the non-root nodes' K/V and queries in level
-  order; ``mask [B, T, T]``: the whole tree's ancestor-or-self mask, grown level by level. Its non-root block is
-  the draft's tree attention mask, and the whole of it goes to the engine with the tree (the verify forward's
-  mask), so the tree structure is built once per round.
+* ``tree_k/tree_v [B, T-1, Hkv, D]``: the non-root nodes' K/V in level order; ``mask [B, T, T]``: the whole tree's
+  ancestor-or-self mask, grown level by level. Its non-root block is the draft's tree attention mask, and the whole
+  of it goes to the engine with the tree (the verify forward's mask), so the tree structure is built once per round.
 
 **A round** (:meth:`LongSpecDrafter.propose`): (1) re-feed: the K/V of the tokens committed since the last call and
 of the new root go into the ring (a fixed W + 1 positions ending at the root, masked to those not in the ring yet,
 so any number of rounds may pass between two calls: a round that leaves this drafter out costs it nothing); only
 the root also needs a query, since a single block's K/V depend on nothing but (token, position). (2) The ring is read into the window.
-(3) Level 0 runs the root, levels 1..depth-1 run all nodes of the previous depth: self-attention =
-``prefix_attn`` over the window merged with ``tree_attn`` over the ancestors; cross-attention = ``draft_cross_attn``
-with ``q_pos = root + d`` and the target's committed length, so every node sees the target rows before the root.
-Each level keeps the global top-k (parent, token) pairs by cumulative log-probability. Leaves are never run.
+(3) Level 0 runs the root, levels 1..depth-1 run all nodes of the previous depth: self-attention = one
+``hybrid_tree_attn`` launch over the window (the committed part) and the nodes drafted so far under the level's
+ancestor rows (the root alone: ``prefix_attn`` over the window); cross-attention = ``prefix_attn`` over the target's
+committed rows, which every node sees (the rows before the root). Each level keeps the global top-k (parent, token)
+pairs by cumulative log-probability, read off the logits by ``beam_topk`` (two launches). Leaves are never run.
 With a reduced drafting vocabulary (:meth:`~longspec.model.draft.LongSpecDraft.set_draft_vocab`) each level scores
 only those rows of the LM head, and the chosen columns map back to target ids.
 Everything is batched over rows with ragged lengths; there is no host synchronisation in the drafter itself.
@@ -55,7 +55,6 @@ import longspec_ops  # noqa: F401  (registers torch.ops.longspec)
 from longspec.model.draft import LongSpecDraft, check_target_compatible
 
 from .drafter import DecodeState, DraftTree, TreeSpec
-from .tree import expand_level
 
 
 @dataclass
@@ -66,7 +65,6 @@ class LongSpecDraftCache:
     ring_end:       int64 ``[B]`` one past the last position written to the ring.
     win_k, win_v:   ``[B, W+1, Hkv, D]`` this round's window, newest first (row j = position ``root - j``).
     tree_k, tree_v: ``[B, T-1, Hkv, D]`` K/V of the non-root nodes (node i in row i - 1).
-    tree_q:         ``[B, T-1, Hq, D]`` their self-attention queries (rows of earlier levels pad ``tree_attn``).
     mask:           bool ``[B, T, T]`` node j is node i or one of its ancestors (the root row and column are fixed).
     """
 
@@ -77,13 +75,12 @@ class LongSpecDraftCache:
     win_v: Tensor
     tree_k: Tensor
     tree_v: Tensor
-    tree_q: Tensor
     mask: Tensor
 
     @classmethod
     def allocate(cls, draft: LongSpecDraft, batch: int, tree: TreeSpec, device: torch.device) -> "LongSpecDraftCache":
         c = draft.config
-        W1, T1, Hkv, Hq, D = c.window + 1, tree.num_nodes - 1, c.num_key_value_heads, c.num_attention_heads, c.head_dim
+        W1, T1, Hkv, D = c.window + 1, tree.num_nodes - 1, c.num_key_value_heads, c.head_dim
         # Zeros, not empty: masked-out rows still enter the reference kernels as 0 * value, and garbage could be NaN.
         kv = dict(dtype=draft.dtype, device=device)
         return cls(
@@ -94,7 +91,6 @@ class LongSpecDraftCache:
             win_v=torch.zeros(batch, W1, Hkv, D, **kv),
             tree_k=torch.zeros(batch, T1, Hkv, D, **kv),
             tree_v=torch.zeros(batch, T1, Hkv, D, **kv),
-            tree_q=torch.zeros(batch, T1, Hq, D, **kv),
             mask=_root_mask(batch, T1 + 1, device),
         )
 
@@ -152,6 +148,7 @@ class LongSpecDrafter:
         """Check the target, allocate the caches (kept when the batch and tree are unchanged, so captured graphs of
         ``propose`` stay valid) and fill the ring with each row's last W prompt tokens' K/V."""
         self._check(state, tree)
+        self.draft.pack_for_drafting()  # eager, before any capture: one GEMM for q/k/v and one for gate/up
         B = state.tokens.shape[0]
         if self.cache is None or self._tree != tree or self.cache.ring_k.shape[0] != B:
             self.cache = LongSpecDraftCache.allocate(self.draft, B, tree, state.tokens.device)
@@ -179,8 +176,8 @@ class LongSpecDrafter:
         level, cum = state.root[:, None], torch.zeros(state.root.shape[0], 1, device=state.root.device)
         scores = [cum]
         for d in range(tree.depth):  # level d's nodes propose depth d + 1; the leaves (depth `tree.depth`) never run
-            logp = self._level_logp(state, tree, level, d)
-            parent, column, cum = expand_level(cum, logp, tree.shape[d])
+            logits = self._level_logits(state, tree, level, d)
+            parent, column, cum = torch.ops.longspec.beam_topk(logits, cum, tree.shape[d])
             level = self.draft.target_token_ids(column)
             parent = parent + tree.offsets[d]
             self._extend_mask(tree, d + 1, parent)
@@ -243,8 +240,9 @@ class LongSpecDrafter:
         cache.win_k.copy_(torch.gather(cache.ring_k, 1, idx))  # not gather(out=): torch.compile's fake-tensor
         cache.win_v.copy_(torch.gather(cache.ring_v, 1, idx))  # check of out= fails on a dynamic batch
 
-    def _level_logp(self, state: DecodeState, tree: TreeSpec, level: Tensor, d: int) -> Tensor:
-        """Run the draft on level d's nodes (int64 ``[B, M]``, position root + d): log-probs float32 ``[B, M, V]``."""
+    def _level_logits(self, state: DecodeState, tree: TreeSpec, level: Tensor, d: int) -> Tensor:
+        """Run the draft on level d's nodes (int64 ``[B, M]``, position root + d): logits ``[B, M, V']`` over the
+        drafting vocabulary."""
         draft, cache = self.draft, self.cache
         r = state.seqlens.to(torch.int64)
         pos = (r + d)[:, None].expand_as(level)
@@ -254,20 +252,20 @@ class LongSpecDrafter:
         # The committed part of the window: positions root + d - W .. root, capped by what exists.
         lens = torch.clamp(r + 1, max=draft.config.window + 1 - d).clamp_min(0).to(torch.int32)
         scale = draft.config.head_dim ** -0.5
-        self_out, lse = torch.ops.longspec.prefix_attn(q, cache.win_k, cache.win_v, lens, scale)
-        if d > 0:
+        if d == 0:
+            self_out, _ = torch.ops.longspec.prefix_attn(q, cache.win_k, cache.win_v, lens, scale)
+        else:
             lo, hi = tree.offsets[d] - 1, tree.offsets[d + 1] - 1  # this level's rows in the node scratch
-            cache.tree_k[:, lo:hi], cache.tree_v[:, lo:hi], cache.tree_q[:, lo:hi] = k, v, q
-            # tree_attn takes as many queries as keys: the earlier levels' stored queries pad the call.
-            tree_out, tree_lse = torch.ops.longspec.tree_attn(
-                cache.tree_q[:, :hi], cache.tree_k[:, :hi], cache.tree_v[:, :hi], self._ancestors(tree, d, hi), scale
-            )
-            self_out, lse = torch.ops.longspec.merge_attn_states(self_out, lse, tree_out[:, lo:hi], tree_lse[:, :, lo:hi])
-        target_lens = state.seqlens.to(torch.int32)
+            cache.tree_k[:, lo:hi], cache.tree_v[:, lo:hi] = k, v
+            # One launch: the window, then the nodes drafted so far (this level's included) under its ancestor rows.
+            self_out, _ = torch.ops.longspec.hybrid_tree_attn(q, cache.win_k, cache.win_v, lens, cache.tree_k[:, :hi],
+                                                              cache.tree_v[:, :hi], self._ancestors(tree, d, lo, hi),
+                                                              scale)
         L = state.target.config.get_text_config().num_hidden_layers
-        out = draft.finish(x, self_out, cos, sin, state.cache.key(L - 1), state.cache.value(L - 1),
-                           pos.to(torch.int32), target_lens, tp=state.cache.tp)
-        return torch.log_softmax(draft.draft_logits(out).float(), dim=-1)
+        # Every node of the round sees the target's committed rows, those before the root: q_pos = None.
+        out = draft.finish(x, self_out, cos, sin, state.cache.key(L - 1), state.cache.value(L - 1), None,
+                           state.seqlens.to(torch.int32), tp=state.cache.tp)
+        return draft.draft_logits(out)
 
     def _extend_mask(self, tree: TreeSpec, d: int, parent: Tensor) -> None:
         """Mask rows of the depth-d nodes: their parent's row plus themselves.
@@ -283,10 +281,10 @@ class LongSpecDrafter:
         rows[:, j, lo + j] = rows.new_ones(())  # a device scalar: a host one would be a copy inside a graph capture
         mask[:, lo : lo + M] = rows
 
-    def _ancestors(self, tree: TreeSpec, d: int, hi: int) -> Tensor:
-        """bool ``[B, hi, hi]``: the non-root nodes' ancestor-or-self mask (rows of the first ``hi`` non-root
-        nodes), as level d's queries see it. With W < d, ancestors more than W levels up fall out of the window."""
-        anc = self.cache.mask[:, 1 : hi + 1, 1 : hi + 1]
+    def _ancestors(self, tree: TreeSpec, d: int, lo: int, hi: int) -> Tensor:
+        """bool ``[B, hi - lo, hi]``: the ancestor-or-self rows of level d's nodes (non-root rows ``[lo, hi)``) over
+        the first ``hi`` non-root nodes. With W < d, ancestors more than W levels up fall out of the window."""
+        anc = self.cache.mask[:, lo + 1 : hi + 1, 1 : hi + 1]
         W = self.draft.config.window
         if d > W:
             depths = tree.depth_tensor(anc.device)[1 : hi + 1]

@@ -22,7 +22,7 @@ from torch import Tensor
 from longspec.model.target import StaticKVCache, forward_tree, lm_logits
 
 from .drafter import DecodeState, DraftTree, TreeSpec
-from .tree import expand_level, tree_mask_from_parents, tree_positions
+from .tree import tree_mask_from_parents, tree_positions
 
 
 class StreamingSelfDrafter:
@@ -77,8 +77,8 @@ class StreamingSelfDrafter:
         scores = torch.zeros(B, T, device=tokens.device)
         for d in range(1, tree.depth + 1):
             n, prev = tree.offsets[d], tree.offsets[d - 1]  # nodes decided so far; first node of depth d - 1
-            logp = self._level_logp(state, tokens[:, :n], parents[:, :n], tree, prev)
-            parent, token, cum = expand_level(cum, logp, tree.shape[d - 1])
+            logits = self._level_logits(state, tokens[:, :n], parents[:, :n], tree, prev)
+            parent, token, cum = torch.ops.longspec.beam_topk(logits, cum, tree.shape[d - 1])
             tokens[:, n : tree.offsets[d + 1]] = token
             parents[:, n : tree.offsets[d + 1]] = prev + parent
             scores[:, n : tree.offsets[d + 1]] = cum
@@ -100,10 +100,10 @@ class StreamingSelfDrafter:
         view.kv[:, :, :, :cap] = cache.kv[:, :, b, src]
         view.seqlens.copy_((head + L - tail_start)[:, 0].to(torch.int32))
 
-    def _level_logp(self, state: DecodeState, tokens: Tensor, parents: Tensor, tree: TreeSpec, first: int) -> Tensor:
-        """Run the tree so far (``n`` nodes) over the view; float32 ``[B, n - first, V]`` log-probabilities of the
-        next token at nodes ``[first, n)`` (the deepest level: only its logits are needed)."""
+    def _level_logits(self, state: DecodeState, tokens: Tensor, parents: Tensor, tree: TreeSpec, first: int) -> Tensor:
+        """Run the tree so far (``n`` nodes) over the view; ``[B, n - first, V]`` logits of the next token at nodes
+        ``[first, n)`` (the deepest level: only its logits are needed)."""
         mask = tree_mask_from_parents(parents, tree)
         positions = tree_positions(state.seqlens, tree, tokens.shape[1])
         hidden = forward_tree(state.target, self._view, tokens, positions, mask)
-        return torch.log_softmax(lm_logits(state.target, hidden[:, first:]), dim=-1)
+        return lm_logits(state.target, hidden[:, first:])

@@ -105,28 +105,6 @@ def select_nodes(tree: DraftTree, sel: Tensor) -> DraftTree:
     return DraftTree(take(tree.tokens), parents, mask, take(tree.depths), take(tree.scores), take(tree.sources))
 
 
-def expand_level(cum_logp: Tensor, logp: Tensor, width: int) -> tuple[Tensor, Tensor, Tensor]:
-    """One beam level: keep the global top-``width`` (parent, token) pairs by cumulative log-probability.
-
-    Args:
-        cum_logp: float ``[B, P]`` cumulative log-probability of the P parents (the previous level's nodes).
-        logp: float ``[B, P, V]`` the drafter's log-probabilities of each parent's next token.
-        width: children to keep (``<= P * V``).
-
-    Returns:
-        ``(parent [B, width] int64 in [0, P), token [B, width] int64, score [B, width] float)``, best first. Siblings
-        are distinct tokens by construction (each (parent, token) pair appears once).
-    """
-    B, P, V = logp.shape
-    # Two stages: a child in the global top-``width`` is in its own parent's top-``width`` (the parent's cumulative
-    # log-probability shifts its whole row), so per-parent top-k (P rows in parallel) then a top-k over P * k
-    # candidates select the same set as one top-k over all P * V pairs, which is one long serial row.
-    k = min(width, V)
-    child, token = torch.topk(logp, k, dim=-1)  # [B, P, k]
-    top, idx = torch.topk((cum_logp[:, :, None] + child).reshape(B, P * k), width, dim=1)
-    return idx // k, token.reshape(B, P * k).gather(1, idx), top
-
-
 def prefix_tree_mask(prefix_len: Tensor, width: int, tree_mask: Tensor) -> Tensor:
     """Mask of a ``[prefix | tree]`` block: a causal prefix of ``prefix_len[b] <= width`` tokens, then the tree.
 

@@ -36,6 +36,7 @@ from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, rotate_half
 
 import longspec_ops  # noqa: F401  (registers torch.ops.longspec)
+from longspec.model.packing import Packed, pack_projections, packed_or_none
 from longspec.model.parallel import TensorParallel, gather_heads
 from longspec.model.target import head_dim, num_kv_heads
 from longspec.runs import resolve_checkpoint
@@ -253,6 +254,7 @@ class LongSpecDraft(PreTrainedModel):
         # Not in the state dict (published checkpoints have none): saved as draft_vocab.json beside the weights.
         self.register_buffer("draft_vocab", None, persistent=False)
         self._draft_head: Optional[Tensor] = None  # lm_head rows of draft_vocab, gathered when either is set
+        self._packed: Optional[Packed] = None  # q/k/v and gate/up packed for drafting (pack_for_drafting)
         self.post_init()
 
     # --- the target ------------------------------------------------------------------------------------------------
@@ -267,6 +269,16 @@ class LongSpecDraft(PreTrainedModel):
         check_target_compatible(self.config, target)
         self._borrowed = _borrow(target)
         self._gather_draft_head()
+        return self
+
+    def pack_for_drafting(self) -> "LongSpecDraft":
+        """Lay the self-attention's q/k/v and the MLP's gate/up weights out as one tensor each (the parameters
+        become views of them: same values, same state dict, no second copy), so that drafting (gradients off) runs
+        one GEMM per group (:mod:`longspec.model.packing`). Idempotent; packs again after anything gave the
+        parameters new storage (``.to()``, an assigning load). :class:`~longspec.LongSpecDrafter` calls it at
+        prefill."""
+        if packed_or_none(self._packed) is None:
+            self._packed = pack_projections(self.self_attn, self.mlp)
         return self
 
     def _require_target(self) -> _Borrowed:
@@ -310,10 +322,17 @@ class LongSpecDraft(PreTrainedModel):
         B, S, _ = x.shape
         attn, D = self.self_attn, self.config.head_dim
         n = self.input_layernorm(x)
-        k = apply_rope(attn.k_proj(n).view(B, S, attn.num_kv_heads, D), cos, sin)
-        v = attn.v_proj(n).view(B, S, attn.num_kv_heads, D)
-        q = apply_rope(attn.q_proj(n).view(B, S, attn.num_heads, D), cos, sin) if need_q else None
-        return q, k, v
+        packed = self._packed if not torch.is_grad_enabled() else None
+        if packed is not None:  # one GEMM for q, k and v (k and v only without q)
+            first = 0 if need_q else attn.num_heads * D
+            bias = packed.qkv_bias[first:] if packed.qkv_bias is not None else None
+            qkv = torch.nn.functional.linear(n, packed.qkv_weight[first:], bias).view(B, S, -1, D)
+            q, k, v = qkv.split([attn.num_heads if need_q else 0, attn.num_kv_heads, attn.num_kv_heads], dim=2)
+        else:
+            q = attn.q_proj(n).view(B, S, attn.num_heads, D) if need_q else None
+            k = attn.k_proj(n).view(B, S, attn.num_kv_heads, D)
+            v = attn.v_proj(n).view(B, S, attn.num_kv_heads, D)
+        return (apply_rope(q, cos, sin) if need_q else None), apply_rope(k, cos, sin), v
 
     def finish(
         self,
@@ -323,7 +342,7 @@ class LongSpecDraft(PreTrainedModel):
         sin: Tensor,
         target_key: Tensor,
         target_value: Tensor,
-        q_pos: Tensor,
+        q_pos: Optional[Tensor],
         target_lens: Tensor,
         tp: Optional["TensorParallel"] = None,
     ) -> Tensor:
@@ -334,7 +353,9 @@ class LongSpecDraft(PreTrainedModel):
             cos, sin: ``[B, S, D]`` RoPE at the tokens' positions (the cross queries are rotated there too).
             target_key, target_value: ``[B, N, Hkv, D]`` the target's last-layer cache (keys post-RoPE).
             q_pos: int32 ``[B, S]`` and target_lens: int32 ``[B]``: query i sees target rows
-                ``[0, min(q_pos[b, i], target_lens[b]))`` (see :func:`longspec_ops.draft_cross_attn`).
+                ``[0, min(q_pos[b, i], target_lens[b]))`` (see :func:`longspec_ops.draft_cross_attn`); with
+                ``q_pos=None`` every query sees rows ``[0, target_lens[b])`` (tree nodes: the rows before the root),
+                one length per batch row, which the attention kernels take faster than per-query lengths.
             tp: the target is tensor-parallel (:class:`~longspec.model.parallel.TensorParallel`) and the cache
                 holds only this rank's ``Hkv / K`` KV heads: the cross-attention runs the query heads that read
                 them and the ranks gather the outputs (``[B, S, Hq, D]``, a few hundred KB per level), so no rank
@@ -344,12 +365,13 @@ class LongSpecDraft(PreTrainedModel):
         h1 = self.after_self_attention(x, self_out)
         q = self.cross_query(h1, cos, sin)
         scale = self.config.head_dim ** -0.5
-        if tp is None:
-            cross, _ = torch.ops.longspec.draft_cross_attn(q, target_key, target_value, q_pos, target_lens, scale)
+        local_q = q if tp is None else tp.local_query(q)
+        if q_pos is None:
+            local, _ = torch.ops.longspec.prefix_attn(local_q, target_key, target_value, target_lens, scale)
         else:
-            local, _ = torch.ops.longspec.draft_cross_attn(tp.local_query(q), target_key, target_value, q_pos,
-                                                            target_lens, scale)
-            cross = gather_heads(local, tp)
+            local, _ = torch.ops.longspec.draft_cross_attn(local_q, target_key, target_value, q_pos, target_lens,
+                                                            scale)
+        cross = local if tp is None else gather_heads(local, tp)
         return self.after_cross_attention(h1, cross)
 
     def after_self_attention(self, x: Tensor, self_out: Tensor) -> Tensor:
@@ -371,7 +393,12 @@ class LongSpecDraft(PreTrainedModel):
         """out = h2 + MLP(N3(h2)) with h2 = h1 + o_proj(cross); cross ``[B, S, Hq, D]``."""
         B, S, _ = h1.shape
         h2 = h1 + self.cross_attn.o_proj(cross.reshape(B, S, -1))
-        return h2 + self.mlp(self.post_cross_attention_layernorm(h2))
+        n = self.post_cross_attention_layernorm(h2)
+        packed = self._packed if not torch.is_grad_enabled() else None
+        if packed is None:
+            return h2 + self.mlp(n)
+        gate, up = torch.nn.functional.linear(n, packed.gate_up_weight, packed.gate_up_bias).chunk(2, dim=-1)
+        return h2 + self.mlp.down_proj(self.mlp.act_fn(gate) * up)
 
     def logits(self, out: Tensor) -> Tensor:
         """out ``[B, S, H]`` -> logits ``[B, S, V]`` through the target's LM head, with no final norm."""

@@ -9,8 +9,8 @@ One kernel family serves the three ops:
 
   - the cache rows of its KV *split* (flash-decoding): split ``s`` covers rows ``[s * split_rows, (s+1) * split_rows)``
     intersected with each row's visible prefix ``[0, kv_len)``;
-  - and/or, in the last split (after its cache rows), the M tree keys under the bool tree mask (the paper's
-    ``fused_mask_attn``).
+  - and/or, in the last split (after its cache rows), the MK tree keys under the bool ``[B, M, MK]`` tree mask (the
+    paper's ``fused_mask_attn``; MK = M for a whole tree, MK > M for one level of a tree drafting over its nodes).
 
   It writes either the final ``(out, lse)`` (a single split) or a float32 partial ``(out, lse)`` to a workspace.
 * ``_merge_splits_kernel`` merges the partials of all splits exactly by their log-sum-exp. Because the tree block is
@@ -132,7 +132,7 @@ def _attend_tree(
     stride_ktm, stride_vtm,
     mask_rows,  # [BLOCK_M] pointers to tree_mask[b, m_r, 0] (uint8 view of the bool mask)
     stride_mn,
-    n_keys,  # M in the last split, 0 elsewhere (the loop is then empty)
+    n_keys,  # MK in the last split, 0 elsewhere (the loop is then empty)
     row_ok, qk_scale, offs_n, offs_d, d_ok,
     TREE_BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -157,8 +157,8 @@ def _split_attn_kernel(
     K, V,  # (B, N, Hkv, D) cache, stride(-1) == 1
     KD, VD,  # TMA descriptors of K and V, block [1, BLOCK_N, 1, D_PAD]  [USE_TMA]
     LENS,  # (B,) or (B, M) int32/int64 visible prefix lengths (clamped into [0, N] here)
-    KT, VT,  # (B, M, Hkv, D) tree keys/values, stride(-1) == 1
-    TMASK,  # (B, M, M) uint8 view of the bool tree mask
+    KT, VT,  # (B, MK, Hkv, D) tree keys/values, stride(-1) == 1
+    TMASK,  # (B, M, MK) uint8 view of the bool tree mask
     OUT,  # (B, M, Hq, D) contiguous, Q's dtype          [DIRECT_OUT]
     LSE,  # (B, Hq, M) float32, natural log             [DIRECT_OUT]
     WS_O,  # (B * Hkv, S, R, D) float32 partial outputs  [not DIRECT_OUT]
@@ -171,6 +171,7 @@ def _split_attn_kernel(
     stride_vtb, stride_vtm, stride_vth,
     stride_tb, stride_tm, stride_tn,
     M, N, HKV, R,  # R = M * G packed rows per (batch, kv head)
+    MK,  # tree keys (M for a whole tree; more for one level of a tree attending to all nodes so far)
     split_rows, num_splits,  # cache rows per split; total splits S (the last also takes the tree keys)
     qk_scale,  # softmax scale * log2(e)
     D: tl.constexpr, D_PAD: tl.constexpr, G: tl.constexpr,
@@ -224,7 +225,7 @@ def _split_attn_kernel(
                                       True, EVEN_D, BLOCK_N, D_PAD, DOT_PRECISION, USE_TMA)
 
     if HAS_TREE:
-        n_keys = tl.where(split == num_splits - 1, M, 0)
+        n_keys = tl.where(split == num_splits - 1, MK, 0)
         offs_t = tl.arange(0, TREE_BLOCK_N)
         kt_base = KT + b * stride_ktb + hk * stride_kth
         vt_base = VT + b * stride_vtb + hk * stride_vth

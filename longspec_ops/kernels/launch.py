@@ -85,11 +85,12 @@ def _attention(
     tree_strides = (*s3(kt), *s3(vt),
                     *((mask.stride(0), mask.stride(1), mask.stride(2)) if tree is not None else (0, 0, 0)))
     pdl = cfg.pdl and not direct and _has_pdl(q.device)
-    if cfg.wgmma and has_cache and _wgmma_applies(q, k, v, lens, D, num_splits):
+    MK = kt.shape[1] if tree is not None else 0
+    if cfg.wgmma and has_cache and (tree is None or MK == M) and _wgmma_applies(q, k, v, lens, D, num_splits):
         _launch_sm90(q, k, v, lens, kt, vt, mask, ws_o, ws_lse, (*s3(q), lens_strides[0], *tree_strides),
                      M, N, Hkv, R, G, D, split_rows, num_splits, scale, cfg, tree is not None)
     else:
-        tree_block_n = min(cfg.block_n, max(16, _next_pow2(M)))
+        tree_block_n = min(cfg.block_n, max(16, _next_pow2(MK)))
         use_tma = cfg.tma and has_cache and tma_eligible(k) and tma_eligible(v)
         if use_tma:
             block = [1, cfg.block_n, 1, D_PAD]
@@ -100,7 +101,7 @@ def _attention(
         _split_attn_kernel[(row_tiles, num_splits, B * Hkv)](
             q, k, v, kd, vd, lens, kt, vt, mask, out, lse, ws_o, ws_lse,
             *s3(q), *s3(k), *s3(v), *lens_strides, *tree_strides,
-            M, N, Hkv, R, split_rows, num_splits, scale * _LOG2E,
+            M, N, Hkv, R, MK, split_rows, num_splits, scale * _LOG2E,
             D=D, D_PAD=D_PAD, G=G, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TREE_BLOCK_N=tree_block_n,
             HAS_CACHE=has_cache, HAS_TREE=tree is not None, DIRECT_OUT=direct,
             DOT_PRECISION=_dot_precision(q.dtype), USE_TMA=use_tma, PDL=pdl,
@@ -153,7 +154,7 @@ def tree_attn(
 ) -> tuple[Tensor, Tensor]:
     """Masked attention among the M tree tokens.
 
-    q ``[B, M, Hq, D]``, k/v ``[B, M, Hkv, D]`` (any strides, stride(-1) == 1), tree_mask bool ``[B, M, M]``.
+    q ``[B, M, Hq, D]``, k/v ``[B, K, Hkv, D]`` (any strides, stride(-1) == 1), tree_mask bool ``[B, M, K]``.
     Returns out ``[B, M, Hq, D]`` (contiguous, q's dtype) and lse float32 ``[B, Hq, M]``. ``config`` overrides
     the table default (:func:`tree_config`).
     """
@@ -196,8 +197,10 @@ def hybrid_tree_attn(
 ) -> tuple[Tensor, Tensor]:
     """One softmax over cache rows ``[0, cache_seqlens[b])`` plus the tree keys each ``tree_mask`` row allows.
 
-    q ``[B, M, Hq, D]``; k/v_cache ``[B, N, Hkv, D]``; cache_seqlens ``[B]``; k/v_tree ``[B, M, Hkv, D]``;
-    tree_mask bool ``[B, M, M]``. Returns out ``[B, M, Hq, D]`` (contiguous, q's dtype), lse float32 ``[B, Hq, M]``.
+    q ``[B, M, Hq, D]``; k/v_cache ``[B, N, Hkv, D]``; cache_seqlens ``[B]``; k/v_tree ``[B, K, Hkv, D]``;
+    tree_mask bool ``[B, M, K]``. Returns out ``[B, M, Hq, D]`` (contiguous, q's dtype), lse float32 ``[B, Hq, M]``.
+    The Gluon sm_90 kernel takes only whole trees (K = M); a level of queries over more tree keys (a drafter's)
+    runs the Triton kernel.
 
     ``backend=FUSED`` (default): the tree block joins the last split of the split-KV launch (two launches in all,
     one when the cache needs a single split).

@@ -5,7 +5,7 @@ benchmark baseline. They favour clarity over speed except where a CPU user waits
 through ``prefix_attn``), accumulate in float32 (float64 inputs stay float64) and follow flash-attn's layout:
 
     q        [B, M, Hq, D]      queries (M new tokens)
-    k/v      [B, N, Hkv, D]     cache rows, rows [0, len) valid; or [B, M, Hkv, D] tree keys
+    k/v      [B, N, Hkv, D]     cache rows, rows [0, len) valid; or [B, K, Hkv, D] tree keys (mask [B, M, K])
     out      [B, M, Hq, D]      same dtype as q
     lse      [B, Hq, M]         float32, natural log; -inf where a query sees no key (out is then 0)
 
@@ -147,7 +147,7 @@ def prefix_attn(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_lens: Tensor, sc
 
 
 def tree_attn(q: Tensor, k: Tensor, v: Tensor, tree_mask: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """Attention among the M tree tokens: query i sees key j where tree_mask[b, i, j] (bool [B, M, M])."""
+    """Attention of M tree queries over K tree keys: query i sees key j where tree_mask[b, i, j] (bool [B, M, K])."""
     return masked_attention(q, k, v, tree_mask, scale)
 
 

@@ -12,6 +12,7 @@ from longspec.decode.drafter import DecodeState, Drafter, TreeSpec
 from longspec.decode.longspec_drafter import LongSpecDrafter
 from longspec.decode.tree import tree_mask_from_parents
 from longspec.model.draft import LongSpecDraft
+from longspec.model.packing import packed_or_none
 from longspec.model.target import StaticKVCache
 
 from ..model.draft_reference import DenseDraft, beam_select, randomize, tiny_target
@@ -55,14 +56,14 @@ def commit_random_path(state: DecodeState, tree, g: torch.Generator) -> None:
 def record_levels(drafter: LongSpecDrafter) -> list:
     """Wrap the drafter's per-level forward to keep its log-probs (float32 [B, M, V] per level)."""
     levels = []
-    inner = drafter._level_logp
+    inner = drafter._level_logits
 
     def wrapped(*args):
         out = inner(*args)
-        levels.append(out)
+        levels.append(torch.log_softmax(out.float(), dim=-1))
         return out
 
-    drafter._level_logp = wrapped
+    drafter._level_logits = wrapped
     return levels
 
 
@@ -236,38 +237,74 @@ def test_draft_memory_is_independent_of_context():
     small, large = _draft_footprint(1024), _draft_footprint(65536)
     assert small == large
     c = LongSpecDraft.from_target(tiny_target("llama", (4, 2), hidden=32, vocab=64, layers=1)).config
-    # ring + window (W + 1 rows each, K and V), node K/V and queries, the tree's mask (root included), ring_end
+    # ring + window (W + 1 rows each, K and V), node K/V, the tree's mask (root included), ring_end
     T1, W1, f32 = 20, c.window + 1, 4
-    expected = 4 * 2 * W1 * 2 * 8 * f32 + 2 * 2 * T1 * 2 * 8 * f32 + 2 * T1 * 4 * 8 * f32 + 2 * (T1 + 1) ** 2 + 2 * 8
+    expected = 4 * 2 * W1 * 2 * 8 * f32 + 2 * 2 * T1 * 2 * 8 * f32 + 2 * (T1 + 1) ** 2 + 2 * 8
     assert small["cache"] == expected
 
 
+class GemmShapes(TorchDispatchMode):
+    """(rows, output columns) of every matrix product dispatched: which projections ran, on how many rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.linear, torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+            self.shapes.append((out.shape[:-1].numel(), out.shape[-1]))
+        return out
+
+
 def test_prefill_runs_only_the_windows_self_kv():
-    """Prefill projects K/V for exactly the last W positions per row: no queries, cross-attention or MLP."""
+    """Prefill projects K/V for exactly the last W positions per row (one packed k/v GEMM): no queries,
+    cross-attention or MLP; drafting never runs the dead cross-attention k/v projections."""
     target = tiny_target("llama", (4, 2))
     draft = LongSpecDraft.from_target(target, window=16)
-    rows = {}
-
-    def count(name):
-        def hook(_module, inputs, _output):
-            rows[name] = rows.get(name, 0) + inputs[0].shape[:-1].numel()
-
-        return hook
-
-    modules = {
-        "k": draft.self_attn.k_proj, "q": draft.self_attn.q_proj, "cross_q": draft.cross_attn.q_proj,
-        "cross_k": draft.cross_attn.k_proj, "cross_v": draft.cross_attn.v_proj, "mlp": draft.mlp,
-    }  # fmt: skip
-    handles = [m.register_forward_hook(count(n)) for n, m in modules.items()]
+    c = draft.config
     state = make_state(target, [list(range(100)), list(range(40))], 128, seed=0)
     drafter = LongSpecDrafter(draft)
-    drafter.prefill(state, TreeSpec((2, 2)))
-    assert rows == {"k": 2 * 16}
-    rows.clear()
-    drafter.propose(state, TreeSpec((2, 2)))
-    assert "cross_k" not in rows and "cross_v" not in rows  # dead projections never run
+    with torch.inference_mode(), GemmShapes() as gemms:
+        drafter.prefill(state, TreeSpec((2, 2)))
+    assert gemms.shapes == [(2 * 16, 2 * c.num_key_value_heads * c.head_dim)]
+    rows = {}
+    handles = [m.register_forward_hook(lambda _m, inputs, _o, n=n: rows.setdefault(n, inputs[0].shape))
+               for n, m in (("cross_k", draft.cross_attn.k_proj), ("cross_v", draft.cross_attn.v_proj))]
+    with torch.inference_mode():
+        drafter.propose(state, TreeSpec((2, 2)))
+    assert rows == {}  # dead projections never run
     for h in handles:
         h.remove()
+
+
+def test_packed_projections_equal_the_parameters():
+    """Drafting's packed q/k/v and gate/up GEMMs give the unpacked module's values; the packing holds no second
+    copy, survives a state-dict round trip, and is redone after .to() gave the parameters new storage."""
+    target = tiny_target("llama", (4, 2))
+    draft = LongSpecDraft.from_target(target, window=16)
+    randomize(draft)
+    x = torch.randn(2, 5, draft.config.hidden_size)
+    pos = torch.arange(5).expand(2, 5)
+    cos, sin = draft.rope(x, pos)
+    h1 = torch.randn_like(x)
+    cross = torch.randn(2, 5, draft.config.num_attention_heads, draft.config.head_dim)
+    with torch.no_grad():
+        want = draft.self_qkv(x, cos, sin), draft.after_cross_attention(h1, cross)
+        state = {k: v.clone() for k, v in draft.state_dict().items()}
+        draft.pack_for_drafting()
+        got = draft.self_qkv(x, cos, sin), draft.after_cross_attention(h1, cross)
+        kv_only = draft.self_qkv(x, cos, sin, need_q=False)
+    for a, b in zip(list(want[0]) + [want[1]], list(got[0]) + [got[1]]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert kv_only[0] is None and torch.equal(kv_only[1], got[0][1]) and torch.equal(kv_only[2], got[0][2])
+    packed = draft._packed
+    assert draft.self_attn.k_proj.weight.untyped_storage().data_ptr() == packed.qkv_weight.untyped_storage().data_ptr()
+    assert all(torch.equal(v, state[k]) for k, v in draft.state_dict().items())
+    draft.to(torch.float64)
+    assert packed_or_none(draft._packed) is None  # new storage: the old packing no longer applies ...
+    draft.pack_for_drafting()
+    assert packed_or_none(draft._packed) is not None and draft._packed.qkv_weight.dtype == torch.float64  # ... redone
 
 
 # --- checks ----------------------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from longspec.decode.drafter import TreeSpec
-from longspec.decode.tree import expand_level, prefix_tree_mask, tree_mask_from_parents, tree_positions
+from longspec.decode.tree import prefix_tree_mask, tree_mask_from_parents, tree_positions
 
 
 def random_parents(spec: TreeSpec, batch: int, seed: int) -> torch.Tensor:
@@ -48,17 +48,6 @@ def test_paper_tree_layout_and_positions():
     pos = tree_positions(torch.tensor([10, 0], dtype=torch.int32), spec)
     assert pos.shape == (2, 69)
     assert pos[0, 0] == 10 and pos[0, 4] == 11 and pos[0, 68] == 15 and pos[1, 21] == 3
-
-
-def test_expand_level_is_the_global_top_k():
-    g = torch.Generator().manual_seed(3)
-    cum = torch.randn(2, 3, generator=g)
-    logp = torch.log_softmax(torch.randn(2, 3, 7, generator=g), dim=-1)
-    parent, token, score = expand_level(cum, logp, 5)
-    for b in range(2):
-        pairs = sorted(((float(cum[b, p] + logp[b, p, t]), p, t) for p in range(3) for t in range(7)), reverse=True)[:5]
-        assert [(p, t) for _, p, t in pairs] == list(zip(parent[b].tolist(), token[b].tolist()))
-        torch.testing.assert_close(score[b], torch.tensor([s for s, _, _ in pairs]))
 
 
 def test_prefix_tree_mask():

@@ -218,7 +218,8 @@ def test_per_query_lengths_and_draft_cross():
     _check("draft_cross_attn", out, lse, r_out, r_lse, *lp)
 
 
-OP_NAMES = ["hybrid_tree_attn", "prefix_attn", "tree_attn", "draft_cross_attn", "merge_attn_states", "commit_kv_"]
+OP_NAMES = ["hybrid_tree_attn", "prefix_attn", "tree_attn", "draft_cross_attn", "merge_attn_states", "commit_kv_",
+            "beam_topk"]
 
 
 def _op_args():
@@ -237,6 +238,8 @@ def _op_args():
         "merge_attn_states": (oa, la, ob, lb),
         "commit_kv_": (kv, torch.tensor([5, 100], device="cuda", dtype=torch.int32), idx,
                        torch.tensor([3, 2], device="cuda", dtype=torch.int32)),
+        "beam_topk": (torch.randn(B, 16, 32768, device="cuda", dtype=torch.bfloat16),
+                      torch.randn(B, 16, device="cuda"), 16),
     }
 
 

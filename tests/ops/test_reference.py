@@ -69,6 +69,23 @@ def test_hybrid_beam_tree_and_strided_inputs():
     _close(out, lse, n_out, n_lse)
 
 
+@pytest.mark.parametrize("K", [0, 13])
+def test_hybrid_and_tree_with_more_tree_keys_than_queries(K):
+    """A level of M = 4 queries over K tree keys (a drafter's level over all nodes so far), and no tree keys."""
+    B, M, N, Hq, Hkv, D = 2, 4, 30, 4, 2, 8
+    q, kc, vc, _, _ = _qkv(B, M, N, Hq, Hkv, D, seed=21)
+    g = torch.Generator().manual_seed(22)
+    kt, vt = torch.randn(B, K, Hkv, D, generator=g, dtype=torch.float64), torch.randn(B, K, Hkv, D, generator=g,
+                                                                                        dtype=torch.float64)
+    mask = torch.rand(B, M, K, generator=g) < 0.5
+    lens = torch.tensor([30, 0], dtype=torch.int32)
+    out, lse = longspec_ops.hybrid_tree_attn(q, kc, vc, lens, kt, vt, mask, 0.3)
+    vis = hybrid_visibility(lens, N, mask)
+    _close(out, lse, *naive_attention(q, torch.cat([kc, kt], 1), torch.cat([vc, vt], 1), vis, 0.3))
+    out, lse = longspec_ops.tree_attn(q, kt, vt, mask, 0.3)
+    _close(out, lse, *naive_attention(q, kt, vt, mask, 0.3))
+
+
 @pytest.mark.parametrize("per_query", [False, True])
 def test_prefix_matches_naive(per_query):
     B, M, N, Hq, Hkv, D = 3, 4, 33, 4, 2, 8
@@ -174,6 +191,7 @@ def _sample_args():
         "invariant_linear": (q.reshape(B, M, Hq * D), torch.randn(5, Hq * D), torch.randn(5)),
         "rms_norm": (q, torch.rand(D), 1e-6),
         "prompt_lookup_chain": (torch.randint(0, 3, (B, 12)), torch.tensor([11, 5], dtype=torch.int32), 4, 1, 3),
+        "beam_topk": (torch.randn(B, M, 11), torch.randn(B, M), 5),
         "record_acceptance_": (torch.rand(40), torch.rand(40), torch.ones(5), torch.rand(5),
                                torch.tensor([True, False, True, False, False]), torch.randint(0, 40, (B, M)),
                                torch.rand(B, M, 5).round(), torch.tensor([True, True, False, True, False]),
@@ -242,6 +260,38 @@ def test_prompt_lookup_chain_against_naive():
                 want = [ctx[p]] + [ctx[s + k % (p + 1 - s)] for k in range(9)], True
                 break
         assert (chain[b].tolist(), bool(found[b])) == want, b
+
+
+@pytest.mark.parametrize("P,V,width", [(1, 9, 4), (3, 7, 5), (4, 3, 12), (2, 50, 1)])
+def test_beam_topk_against_naive(P, V, width):
+    """The two-stage reference against one sort of all P * V pairs in float64 (score descending, then the lower
+    (parent, column)), on tie-free scores; and on rows of equal logits, where only the tie order decides."""
+    from longspec_ops.reference import beam
+
+    g = torch.Generator().manual_seed(P * 100 + V)
+    B = 3
+    logits = torch.randn(B, P, V, generator=g, dtype=torch.float64).float()
+    cum = torch.randn(B, P, generator=g)
+    cum[2] = 0.0
+    logits[2] = 1.5  # every pair of batch row 2 scores the same
+    parent, column, score = beam.beam_topk(logits, cum, width)
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    for b in range(B):
+        pairs = sorted(((-(float(cum[b, p]) + float(logp[b, p, c])), p, c) for p in range(P) for c in range(V)))
+        if b == 2:
+            pairs = sorted(pairs, key=lambda t: (round(t[0], 6), t[1], t[2]))  # equal scores: (parent, column)
+        want = pairs[:width]
+        assert [(int(p), int(c)) for p, c in zip(parent[b], column[b])] == [(p, c) for _, p, c in want], b
+        assert torch.allclose(score[b].double(), torch.tensor([-s for s, _, _ in want], dtype=torch.float64),
+                              atol=1e-5)
+
+
+def test_ordered_key_orders_like_the_floats():
+    from longspec_ops.reference.beam import ordered_key
+
+    x = torch.tensor([-float("inf"), -3.5, -1e-30, 0.0, 1e-30, 2.0, 2.0, float("inf")])
+    keys = ordered_key(x, torch.arange(8))
+    assert torch.equal(torch.sort(keys, descending=True).indices, torch.tensor([7, 5, 6, 4, 3, 2, 1, 0]))
 
 
 @pytest.mark.parametrize("name", list(_sample_args()))

@@ -304,6 +304,26 @@ def test_hybrid_composed_backend(dtype):
     _check(got, ref.hybrid_tree_attn, args, dtype)
 
 
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("K", [0, 21, 40])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_hybrid_and_tree_with_more_tree_keys_than_queries(dtype, K, config):
+    """One drafter level: M = 5 queries over a 97-row window and K tree keys (all nodes drafted so far; K > one
+    tree key block of the tiny config), under a [B, M, K] mask."""
+    B, M, N, Hq, Hkv, D = 2, 5, 97, 4, 2, 64
+    q, kc, vc, _, _ = _inputs(B, M, N, Hq, Hkv, D, dtype, strided=True, seed=30 + K)
+    g = torch.Generator().manual_seed(31 + K)
+    kt = _randn(B, K, Hkv, D, dtype=dtype, strided=True, gen=g)
+    vt = _randn(B, K, Hkv, D, dtype=dtype, strided=True, gen=g)
+    mask = (torch.rand(B, M, K, generator=g) < 0.5).to(DEVICE)
+    lens = _ragged_lens(B, N, seed=32)
+    args = (q, kc, vc, lens, kt, vt, mask, _scale(D))
+    _check(hybrid_tree_attn(*args, config=CONFIGS[config]), ref.hybrid_tree_attn, args, dtype)
+    if K:
+        targs = (q, kt, vt, mask, _scale(D))
+        _check(tree_attn(*targs, config=TREE_CONFIG if config == "split48" else None), ref.tree_attn, targs, dtype)
+
+
 def test_hybrid_beam_tree_many_splits():
     """The 4-16-16-16-16 tree (69 tokens) after a 300-row cache, strided inputs, 7 cache splits, the tree in the last."""
     B, N, Hq, Hkv, D = 2, 300, 4, 2, 64
