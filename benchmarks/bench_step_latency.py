@@ -56,6 +56,7 @@ import json
 import os
 import statistics
 import time
+from typing import Sequence
 
 import torch
 
@@ -221,9 +222,11 @@ def _local_bytes(t: torch.Tensor) -> int:
 
 def measure(name: str, contexts: list[int], compiles: list[bool], draft_vocab: int, iters: int, peaks: dict,
             on_row=lambda row: None, tp: bool = False, cuda_graphs: bool = True, device: str = "cuda",
-            numerics: tuple[str, ...] = ("fast",), tree: tuple[int, ...] = TREE, profile=None) -> list:
-    """``profile``: a callable taking (model, context, kernel table) of the draft step with the reduced vocabulary
-    (the full one without it), for every context of the compiled fast rows."""
+            numerics: tuple[str, ...] = ("fast",), trees: Sequence[tuple[int, ...]] = (TREE,), profile=None) -> list:
+    """One row per (compile, numerics, context) for the first tree, and per other tree at the longest context.
+    ``profile``: a callable taking (model, context, kernel
+    table) of the first tree's draft step with the reduced vocabulary (the full one without it), for every context
+    of the compiled fast rows."""
     from longspec import LongSpecDrafter, Numerics, SpeculativeDecoder
     from longspec.model.draft import frequent_tokens
 
@@ -238,66 +241,84 @@ def measure(name: str, contexts: list[int], compiles: list[bool], draft_vocab: i
     for compile, mode in [(c, n) for c in compiles for n in numerics]:
         num = Numerics[mode.upper()]
         plain = SpeculativeDecoder(target, None, cuda_graphs=cuda_graphs, compile=compile, numerics=num)
-        spec = SpeculativeDecoder(target, LongSpecDrafter(draft), tree_shape=tree, cuda_graphs=cuda_graphs,
-                                  compile=compile, numerics=num)
-        T = spec.tree.num_nodes
+        specs = {t: SpeculativeDecoder(target, LongSpecDrafter(draft), tree_shape=t, cuda_graphs=cuda_graphs,
+                                       compile=compile, numerics=num) for t in trees}
         for context in contexts:
             draft.set_draft_vocab(None)
             d = round_times(plain, context, iters)
-            s = round_times(spec, context, iters)
-            row = {"model": name, "context": context, "compile": compile, "numerics": mode,
-                   "gpus": spec.tp.world if spec.tp else 1, "cuda_graphs": cuda_graphs,
-                   "decode_us": d["phases_us"]["verify"] + d["phases_us"]["accept"],
-                   "decode_forward_us": d["phases_us"]["verify"], "decode_wall_us": d["round_wall_us"],
-                   "verify_us": s["phases_us"]["verify"], "draft_us": s["phases_us"]["draft"],
-                   "accept_us": s["phases_us"]["accept"], "round_wall_us": s["round_wall_us"],
-                   "first_round_decode_s": d["first_round_s"], "first_round_spec_s": s["first_round_s"]}
-            if reduced is None and profile is not None and compile and mode == "fast":
-                profile(name, context, profile_draft(spec, context))
-            if reduced is not None:
-                draft.set_draft_vocab(reduced)
-                spec_r = SpeculativeDecoder(target, LongSpecDrafter(draft), tree_shape=tree,
-                                            cuda_graphs=cuda_graphs, compile=compile, numerics=num)
-                r = round_times(spec_r, context, iters)
-                if profile is not None and compile and mode == "fast":
-                    profile(name, context, profile_draft(spec_r, context))
-                row["draft_vocab"] = draft_vocab
-                row["draft_reduced_us"] = r["phases_us"]["draft"]
-                row["round_reduced_wall_us"] = r["round_wall_us"]
-                del spec_r
-                draft.set_draft_vocab(None)
-            row["round_us"] = row["draft_us"] + row["verify_us"] + row["accept_us"]
-            bw = peaks["copy_bytes_per_s"]
-            row["draft_floor_us"] = draft_floor_us(draft, target, context, len(tree), vocab, bw)
-            row["draft_vs_floor"] = row["draft_us"] / row["draft_floor_us"]
-            if reduced is not None:
-                row["draft_reduced_floor_us"] = draft_floor_us(draft, target, context, len(tree), draft_vocab, bw)
-                row["draft_reduced_vs_floor"] = row["draft_reduced_us"] / row["draft_reduced_floor_us"]
-            cache = s["run"].state.cache
-            kv_bytes = cache.kv[:, :, :, :context].numel() * cache.kv.element_size()
-            row["bytes_floor_us"] = (weights + kv_bytes) / peaks["copy_bytes_per_s"] * 1e6
-            if not tp and mode == "fast":  # the floors are cuBLAS and the fast kernels: timed once per row pair
-                row["linears_m1_us"] = linear_floor_us(target, 1, iters)
-                row["linears_mT_us"] = linear_floor_us(target, T, iters)
-                row["attn_decode_us"] = attention_floor_us(d["run"], context, 1, iters)
-                row["attn_verify_us"] = attention_floor_us(s["run"], context, T, iters)
-            _ratios(row)
-            _versus_fast(row, rows)
-            rows.append(row)
-            on_row(row)
-            if _main_rank():
-                print(json.dumps(row), flush=True)
-        del plain, spec
+            for tree, spec in specs.items():
+                if tree != trees[0] and context != max(contexts):
+                    continue  # other trees are priced at the longest context only
+                row = _tree_row(name, context, compile, mode, tree, d, spec, draft, target, reduced, iters, peaks,
+                                weights, cuda_graphs, tp, profile if tree == trees[0] else None)
+                _ratios(row)
+                _versus_fast(row, rows)
+                rows.append(row)
+                on_row(row)
+                if _main_rank():
+                    print(json.dumps(row), flush=True)
+        del plain, specs
         torch.cuda.empty_cache()
     draft.set_draft_vocab(None)
     return rows
+
+
+def _tree_row(name, context, compile, mode, tree, d, spec, draft, target, reduced, iters, peaks, weights,
+              cuda_graphs, tp, profile) -> dict:
+    """One row: the LongSpec round of ``tree`` (full and reduced drafting vocabulary) beside the plain round ``d``,
+    with the draft, decode and verify floors."""
+    from longspec import LongSpecDrafter, Numerics, SpeculativeDecoder
+
+    vocab = target.get_output_embeddings().weight.shape[0]
+    T = spec.tree.num_nodes
+    s = round_times(spec, context, iters)
+    row = {"model": name, "context": context, "compile": compile, "numerics": mode, "tree": "-".join(map(str, tree)),
+           "nodes": T, "gpus": spec.tp.world if spec.tp else 1, "cuda_graphs": cuda_graphs,
+           "decode_us": d["phases_us"]["verify"] + d["phases_us"]["accept"],
+           "decode_forward_us": d["phases_us"]["verify"], "decode_wall_us": d["round_wall_us"],
+           "verify_us": s["phases_us"]["verify"], "draft_us": s["phases_us"]["draft"],
+           "accept_us": s["phases_us"]["accept"], "round_wall_us": s["round_wall_us"],
+           "first_round_decode_s": d["first_round_s"], "first_round_spec_s": s["first_round_s"]}
+    profiling = profile is not None and compile and mode == "fast"
+    if reduced is None and profiling:
+        profile(name, context, profile_draft(spec, context))
+    if reduced is not None:
+        draft.set_draft_vocab(reduced)
+        spec_r = SpeculativeDecoder(target, LongSpecDrafter(draft), tree_shape=tree, cuda_graphs=cuda_graphs,
+                                    compile=compile, numerics=Numerics[mode.upper()])
+        r = round_times(spec_r, context, iters)
+        if profiling:
+            profile(name, context, profile_draft(spec_r, context))
+        row["draft_vocab"] = reduced.numel()
+        row["draft_reduced_us"] = r["phases_us"]["draft"]
+        row["round_reduced_wall_us"] = r["round_wall_us"]
+        del spec_r
+        draft.set_draft_vocab(None)
+    row["round_us"] = row["draft_us"] + row["verify_us"] + row["accept_us"]
+    bw = peaks["copy_bytes_per_s"]
+    row["draft_floor_us"] = draft_floor_us(draft, target, context, len(tree), vocab, bw)
+    row["draft_vs_floor"] = row["draft_us"] / row["draft_floor_us"]
+    if reduced is not None:
+        row["draft_reduced_floor_us"] = draft_floor_us(draft, target, context, len(tree), reduced.numel(), bw)
+        row["draft_reduced_vs_floor"] = row["draft_reduced_us"] / row["draft_reduced_floor_us"]
+    cache = s["run"].state.cache
+    kv_bytes = cache.kv[:, :, :, :context].numel() * cache.kv.element_size()
+    row["bytes_floor_us"] = (weights + kv_bytes) / bw * 1e6
+    if not tp and mode == "fast":  # the floors are cuBLAS and the fast kernels: timed once per row
+        row["linears_m1_us"] = linear_floor_us(target, 1, iters)
+        row["linears_mT_us"] = linear_floor_us(target, T, iters)
+        row["attn_decode_us"] = attention_floor_us(d["run"], context, 1, iters)
+        row["attn_verify_us"] = attention_floor_us(s["run"], context, T, iters)
+        row["attn_verify_layer_us"] = row["attn_verify_us"] / target.config.get_text_config().num_hidden_layers
+    return row
 
 
 def _versus_fast(row: dict, rows: list[dict]) -> None:
     """An invariant row's costs over the fast row of the same model, context and compile setting (issue 22's
     target: round <= 1.2x)."""
     fast = next((r for r in rows if r["numerics"] == "fast" and r["model"] == row["model"]
-                 and r["context"] == row["context"] and r["compile"] == row["compile"]), None)
+                 and r["context"] == row["context"] and r["compile"] == row["compile"]
+                 and r.get("tree") == row.get("tree")), None)
     if row["numerics"] == "fast" or fast is None:
         return
     for key in ("round_wall_us", "decode_wall_us", "verify_us", "decode_us"):
@@ -395,7 +416,7 @@ def _ratios(row: dict) -> None:
 
 
 COLUMNS = [("model", "model", ""), ("gpus", "GPUs", ""), ("context", "N", ""), ("compile", "compile", ""),
-           ("numerics", "numerics", ""),
+           ("numerics", "numerics", ""), ("tree", "tree", ""),
            ("decode_us", "decode", ".0f"), ("decode_floor_us", "floor", ".0f"), ("decode_vs_floor", "x", ".2f"),
            ("verify_us", "verify", ".0f"), ("verify_floor_us", "floor", ".0f"), ("verify_vs_floor", "x", ".2f"),
            ("draft_us", "draft", ".0f"), ("draft_floor_us", "floor", ".0f"), ("draft_vs_floor", "x", ".2f"),
@@ -456,9 +477,9 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=os.environ.get("OUT"), help="default: benchmarks/results/<gpu>/")
     ap.add_argument("--tp", action="store_true", help="under torchrun: the target tensor-parallel over the ranks")
     ap.add_argument("--cuda-graphs", choices=("on", "off"), default="on")
-    ap.add_argument("--tree", type=int, nargs="+", default=list(TREE),
-                    help="nodes per depth of the LongSpec tree (default 4 16 16 16 16: 69 nodes with the root; "
-                         "4 16 16 16 11 is 64, one 64-row tile of the invariant linears)")
+    ap.add_argument("--trees", nargs="+", default=["-".join(map(str, TREE))], metavar="SHAPE",
+                    help="LongSpec trees, nodes per depth dash-separated (default 4-16-16-16-16: 69 nodes with the "
+                         "root); the first at every context, the others priced at the longest context")
     ap.add_argument("--numerics", choices=("fast", "invariant", "both"), default="fast",
                     help="the target's numerics (longspec.Numerics); both: fast and invariant rows in one run")
     ap.add_argument("--profile", action="store_true",
@@ -478,8 +499,8 @@ def main(argv=None) -> None:
     if a.adaptive:
         if a.tp:
             raise SystemExit("--adaptive times one GPU")
-        if tuple(a.tree) != TREE:
-            ap.error("argument --tree: --adaptive times its own options over the default tree")
+        if a.trees != ["-".join(map(str, TREE))]:
+            ap.error("argument --trees: --adaptive times its own options over the default tree")
         rows = []
 
         def on_adaptive_row(row):
@@ -493,10 +514,13 @@ def main(argv=None) -> None:
             torch.cuda.empty_cache()
         return
     peaks = measure_peaks()
-    tree = tuple(a.tree)
-    if not tree or min(tree) < 1:
-        ap.error(f"argument --tree: nodes per depth must be >= 1, got {a.tree}")
-    meta = {"tree": "-".join(map(str, tree)), "copy TB/s": round(peaks["copy_bytes_per_s"] / 1e12, 2)}
+    try:
+        trees = [tuple(int(n) for n in t.split("-")) for t in a.trees]
+    except ValueError:
+        ap.error(f"argument --trees: shapes are dash-separated node counts, got {a.trees}")
+    if any(min(t) < 1 for t in trees):
+        ap.error(f"argument --trees: nodes per depth must be >= 1, got {a.trees}")
+    meta = {"trees": " ".join(a.trees), "copy TB/s": round(peaks["copy_bytes_per_s"] / 1e12, 2)}
     if a.tp:
         meta["tensor_parallel"] = world
     suite = f"step_latency_tp{world}" if a.tp else "step_latency"
@@ -510,7 +534,7 @@ def main(argv=None) -> None:
     profiles = []
 
     def on_profile(model, context, table):
-        profiles.append(f"## {model}, N = {context}, tree {meta['tree']}: 10 replays of the captured draft graph\n\n"
+        profiles.append(f"## {model}, N = {context}, tree {a.trees[0]}: 10 replays of the captured draft graph\n\n"
                         f"{table}\n")
         if _main_rank():
             out = results_dir(a.out)
@@ -519,7 +543,7 @@ def main(argv=None) -> None:
     for name in a.models:
         vocab_size = a.draft_vocab if name != "pair" else min(a.draft_vocab, 2048)
         measure(name, a.contexts, compiles, vocab_size, a.iters, peaks, on_row, tp=a.tp,
-                cuda_graphs=a.cuda_graphs == "on", device=device, numerics=numerics, tree=tree,
+                cuda_graphs=a.cuda_graphs == "on", device=device, numerics=numerics, trees=trees,
                 profile=on_profile if a.profile else None)
         torch.cuda.empty_cache()
     if _main_rank():

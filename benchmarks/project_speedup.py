@@ -22,7 +22,8 @@ def project(e2e_rows: list[dict], step_rows: list[dict], context: int, method: s
     pair_rows = {r["T"]: r for r in e2e_rows if r["context"] == context and r["method"] == method}
     if not pair_rows:
         raise ValueError(f"no {method!r} row at context {context} in the e2e results")
-    steps = [r for r in step_rows if r["context"] == context and r["model"] != "pair"]
+    steps = [r for r in step_rows if r["context"] == context and r["model"] != "pair"
+             and r.get("tree", "4-16-16-16-16") == "4-16-16-16-16"]  # the tree the pair's e2e rows decoded with
     if not steps:
         raise ValueError(f"no step-latency row at context {context} for a real-size model")
     out = []

@@ -175,8 +175,12 @@ class LongSpecDrafter:
         tokens, parents = [state.root[:, None]], [torch.full_like(state.root[:, None], -1)]
         level, cum = state.root[:, None], torch.zeros(state.root.shape[0], 1, device=state.root.device)
         scores = [cum]
+        # RoPE at the levels' positions root + d, once per round (the rotary module is a float32 GEMM and two
+        # elementwise kernels per call)
+        levels = state.seqlens.to(torch.int64)[:, None] + torch.arange(tree.depth, device=state.root.device)
+        cos_all, sin_all = self.draft.rope(self.cache.ring_k, levels)  # [B, depth, D]
         for d in range(tree.depth):  # level d's nodes propose depth d + 1; the leaves (depth `tree.depth`) never run
-            logits = self._level_logits(state, tree, level, d)
+            logits = self._level_logits(state, tree, level, d, cos_all[:, d:d + 1], sin_all[:, d:d + 1])
             parent, column, cum = torch.ops.longspec.beam_topk(logits, cum, tree.shape[d])
             level = self.draft.target_token_ids(column)
             parent = parent + tree.offsets[d]
@@ -240,14 +244,14 @@ class LongSpecDrafter:
         cache.win_k.copy_(torch.gather(cache.ring_k, 1, idx))  # not gather(out=): torch.compile's fake-tensor
         cache.win_v.copy_(torch.gather(cache.ring_v, 1, idx))  # check of out= fails on a dynamic batch
 
-    def _level_logits(self, state: DecodeState, tree: TreeSpec, level: Tensor, d: int) -> Tensor:
-        """Run the draft on level d's nodes (int64 ``[B, M]``, position root + d): logits ``[B, M, V']`` over the
-        drafting vocabulary."""
+    def _level_logits(self, state: DecodeState, tree: TreeSpec, level: Tensor, d: int, cos: Tensor,
+                      sin: Tensor) -> Tensor:
+        """Run the draft on level d's nodes (int64 ``[B, M]``, position root + d, where ``cos``/``sin`` ``[B, 1, D]``
+        are RoPE): logits ``[B, M, V']`` over the drafting vocabulary."""
         draft, cache = self.draft, self.cache
         r = state.seqlens.to(torch.int64)
-        pos = (r + d)[:, None].expand_as(level)
         x = draft.embed(level)
-        cos, sin = draft.rope(x, pos)
+        cos, sin = cos.expand(-1, level.shape[1], -1), sin.expand(-1, level.shape[1], -1)
         q, k, v = draft.self_qkv(x, cos, sin)
         # The committed part of the window: positions root + d - W .. root, capped by what exists.
         lens = torch.clamp(r + 1, max=draft.config.window + 1 - d).clamp_min(0).to(torch.int32)

@@ -23,8 +23,12 @@ from torch import Tensor
 
 _LOW = (1 << 32) - 1
 _KEY_MIN = tl.constexpr(-(1 << 63))  # no candidate (a column past V, a slot past a chunk's valid columns)
-_MAX_CANDIDATES_IN_REGISTERS = 8192  # the select kernel keeps this many int64 keys in registers; more loop
-_MAX_CHUNK = 8192
+# The select kernel keeps up to this many int64 keys in registers (32 a thread at 2 warps; more loop). At 8192 (16
+# parents x 32 chunks x 16) on the H200 it spilled and took 15.8 us a level at Llama-3-8B shapes (1fd01e7's profile);
+# chunks grow instead (to _TARGET_CANDIDATES per batch row), up to _MAX_CHUNK columns (32 a thread at 16 warps).
+_TARGET_CANDIDATES = 2048
+_MAX_CANDIDATES_IN_REGISTERS = 4096
+_MAX_CHUNK = 16384
 _MIN_CHUNK = 512
 
 
@@ -149,11 +153,16 @@ def _store_choice(key, b, i, V, PARENT, COLUMN, SCORE, WIDTH: tl.constexpr):
     tl.store(SCORE + b * WIDTH + i, _key_value(key))
 
 
+def _warps(elements: int) -> int:
+    """Warps for a program reducing ``elements`` values: 32 a thread, 1 to 16 warps."""
+    return max(1, min(16, elements // 1024))
+
+
 def plan(P: int, V: int, width: int) -> tuple[int, int, int]:
     """``(CHUNK, C, K1)``: columns per chunk program, chunks per row and candidates kept per chunk. Chunks are
     sized so that the P * C * K1 candidates of a batch row fit the select kernel's registers where they can."""
     k1 = min(width, V)
-    target = max(1, _MAX_CANDIDATES_IN_REGISTERS // (P * k1))
+    target = max(1, _TARGET_CANDIDATES // (P * k1))
     chunk = min(_MAX_CHUNK, max(_MIN_CHUNK, triton.next_power_of_2(triton.cdiv(V, target))))
     k1 = min(k1, chunk)
     return chunk, triton.cdiv(V, chunk), k1
@@ -180,12 +189,12 @@ def beam_topk(logits: Tensor, cum_logp: Tensor, width: int) -> tuple[Tensor, Ten
     lse = torch.empty((B, P), dtype=torch.float32, device=dev)
     in_registers = NC <= _MAX_CANDIDATES_IN_REGISTERS
     keys = cand if in_registers else torch.empty((B, NC), dtype=torch.int64, device=dev)  # unused in registers
+    # 32 columns a thread: up to 1024 columns one warp, whose reductions are shuffles with no block barrier
     _beam_chunk_kernel[(B * P, C)](logits, logits.stride(0), logits.stride(1), stats, cand, P, V, C, K1=k1,
-                                   CHUNK=chunk, num_warps=4 if chunk <= 2048 else 8)
+                                   CHUNK=chunk, num_warps=_warps(chunk))
     c_pad = triton.next_power_of_2(C)
     block = triton.next_power_of_2(NC) if in_registers else 2048
     _beam_select_kernel[(B,)](stats, cand, cum, cum.stride(0), lse, keys, parent, column, score, P, V, C, NC,
                               WIDTH=width, K1=k1, BLOCK_P=max(1, min(triton.next_power_of_2(P), 4096 // c_pad)),
-                              C_PAD=c_pad, BLOCK=block, IN_REGISTERS=in_registers,
-                              num_warps=4 if block <= 2048 else 8)
+                              C_PAD=c_pad, BLOCK=block, IN_REGISTERS=in_registers, num_warps=_warps(block))
     return parent, column, score

@@ -64,6 +64,6 @@ def test_strided_logits_and_many_candidates(monkeypatch):
 def test_plan_keeps_candidates_in_registers_at_model_sizes():
     """A 16-parent level of the 69-node tree over Llama-3's 128k vocabulary or a 32k drafting vocabulary: one select
     program holds every candidate."""
-    for V in (32768, 128256, 151936):
+    for V in (2048, 32768, 128256, 151936):
         chunk, C, k1 = K.plan(16, V, 16)
         assert 16 * C * k1 <= K._MAX_CANDIDATES_IN_REGISTERS and chunk * C >= V and k1 == 16
