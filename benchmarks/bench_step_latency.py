@@ -56,7 +56,7 @@ import json
 import os
 import statistics
 import time
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -441,6 +441,36 @@ def write(rows: list[dict], meta: dict, out_dir: str, plot: bool = True, suite: 
                          columns=COLUMNS, plot=_plot if plot else None)
 
 
+def merge(paths: list[str], tree_tau: Optional[str], out: Optional[str]) -> None:
+    """One result from several runs' ``step_latency.json`` (rows in the order given; the environment of the first,
+    which must share its commit with the others), with ``--tree-tau``'s acceptance beside each tree."""
+    runs = [json.loads(open(p).read()) for p in paths]
+    shas = {r["environment"].get("git_sha") for r in runs}
+    if len(shas) != 1:
+        raise SystemExit(f"--merge: the runs come from different commits {sorted(shas)}")
+    rows = [row for r in runs for row in r["rows"]]
+    meta = {k: v for r in runs for k, v in r["meta"].items()}
+    if tree_tau:
+        taus = json.loads(open(tree_tau).read())
+        ratio = {t["tree"]: t["tau_vs_first"] for t in taus["rows"]}
+        meta["tree tau"] = f"{tree_tau} (context {taus['meta'].get('context')}, first tree {taus['rows'][0]['tree']})"
+        for row in rows:
+            if row.get("tree") in ratio:
+                row["tau_vs_first"] = ratio[row["tree"]]
+                # decode steps per generated token relative to the reference tree's: cost per round over tau
+                base = next(r for r in rows if r["model"] == row["model"] and r["context"] == row["context"]
+                            and r["compile"] == row["compile"] and r.get("tree") == taus["rows"][0]["tree"])
+                key = "round_reduced_per_decode" if "round_reduced_per_decode" in row else "round_per_decode"
+                row["cost_per_token_vs_first"] = row[key] / base[key] / row["tau_vs_first"]
+    write_results("step_latency", rows, out, meta=meta, title="Round cost at real sizes", notes=NOTES,
+                  columns=COLUMNS + TREE_COLUMNS, plot=_plot, env=runs[0]["environment"])
+    print((results_dir(out) / "step_latency.md").read_text())
+
+
+TREE_COLUMNS = [("tau_vs_first", "pair tau / 69-node", ".3f"), ("cost_per_token_vs_first", "cost per token / 69-node",
+                                                                  ".3f")]
+
+
 def _plot(rows: list[dict], path) -> None:
     """Stacked bars per (model, N, compile): a round's draft / verify / accept against the decode step."""
     import matplotlib
@@ -484,9 +514,16 @@ def main(argv=None) -> None:
                     help="the target's numerics (longspec.Numerics); both: fast and invariant rows in one run")
     ap.add_argument("--profile", action="store_true",
                     help="also write draft_profile.txt: torch.profiler's kernel table of the compiled draft step")
+    ap.add_argument("--merge", nargs="+", metavar="STEP_LATENCY_JSON",
+                    help="no measurement: combine the rows of runs split over several device calls into one result")
+    ap.add_argument("--tree-tau", metavar="TREE_TAU_JSON",
+                    help="benchmarks.tree_tau's result: each row gets its tree's tau over the first tree's there")
     ap.add_argument("--adaptive", action="store_true",
                     help="only the adaptive / merged rounds (step_latency_adaptive), not the floors")
     a = ap.parse_args(argv)
+    if a.merge:
+        merge(a.merge, a.tree_tau, a.out)
+        return
     if not torch.cuda.is_available():
         raise SystemExit("bench_step_latency needs a CUDA device")
     world = int(os.environ.get("WORLD_SIZE", "1"))
