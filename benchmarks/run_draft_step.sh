@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The draft step at its floor (issue 32), one device call: build, the GPU tests of what the draft step runs, then the
 # step benchmark (with the draft's kernel profile). Writes logs and results under $OUT.
-# Knobs: TESTS=0 skips the tests; MODELS / CONTEXTS pick the benchmark rows; PROFILE=0 skips the profile.
+# Knobs: TESTS=0 skips the tests, TESTS=ops runs only the op tests; MODELS / CONTEXTS / TREES pick the benchmark rows;
+# PROFILE=0 skips the profile.
 # Usage: LONGSPEC_GIT_SHA=$(git rev-parse --short HEAD) bash benchmarks/run_draft_step.sh
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
@@ -13,11 +14,13 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
 LONGSPEC_BUILD_EXT=1 LONGSPEC_CUDA_ARCHS=9.0 MAX_JOBS=16 python3 -m pip install -e . --no-build-isolation --no-deps -q \
   > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 elapsed "built; has_cuda_kernels $(python3 -c 'import longspec_ops; print(longspec_ops.has_cuda_kernels())')"
-if [ "${TESTS:-1}" = 1 ]; then
+if [ "${TESTS:-1}" != 0 ]; then
   timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/ops/test_beam_kernel.py tests/ops/test_gpu_attention.py \
     tests/ops/test_triton_kernels.py -k "beam or more_tree_keys or hybrid or opcheck or capture or tree" \
     > "$OUT/tests_ops.log" 2>&1
   elapsed "op tests: $(tail -1 "$OUT/tests_ops.log")"
+fi
+if [ "${TESTS:-1}" = 1 ]; then
   timeout 240 python3 -m pytest -q -p no:cacheprovider tests/decode/test_gpu_decoder.py \
     -k "fp32_speculative_equals_plain or bf16_speculative or graphed_tail or compiled_rounds" \
     > "$OUT/tests_decode.log" 2>&1
@@ -26,6 +29,7 @@ fi
 profile=$([ "${PROFILE:-1}" = 1 ] && echo --profile)
 # shellcheck disable=SC2086
 timeout "${BENCH_TIMEOUT:-420}" python3 -m benchmarks.bench_step_latency --models ${MODELS:-Llama-3-8B pair} \
-  --contexts ${CONTEXTS:-32768} --compile on $profile --out "$OUT" > "$OUT/bench.log" 2>&1
+  --contexts ${CONTEXTS:-32768} --trees ${TREES:-4-16-16-16-16} --compile on $profile --out "$OUT" \
+  > "$OUT/bench.log" 2>&1
 elapsed "bench rc $?"
 grep -v "^{" "$OUT/bench.log" | tail -20
