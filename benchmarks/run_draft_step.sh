@@ -16,7 +16,7 @@ LONGSPEC_BUILD_EXT=1 LONGSPEC_CUDA_ARCHS=9.0 MAX_JOBS=16 python3 -m pip install 
 elapsed "built; has_cuda_kernels $(python3 -c 'import longspec_ops; print(longspec_ops.has_cuda_kernels())')"
 if [ "${TESTS:-1}" != 0 ]; then
   timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/ops/test_beam_kernel.py tests/ops/test_gpu_attention.py \
-    tests/ops/test_triton_kernels.py -k "beam or more_tree_keys or hybrid or opcheck or capture or tree" \
+    tests/ops/test_triton_kernels.py -k "${OPS_K:-beam or more_tree_keys or hybrid or opcheck or capture or tree}" \
     > "$OUT/tests_ops.log" 2>&1
   elapsed "op tests: $(tail -1 "$OUT/tests_ops.log")"
 fi
