@@ -218,3 +218,24 @@ def test_refeed_strategy_is_exact(family, shape):
                              kv_update=KVUpdate.REFEED).generate(ids2, max_new_tokens=NEW, temperature=1.0, top_p=0.9,
                                                                  seed=1234, attention_mask=mask2)
     assert_same_tokens(out.sequences, sampled)
+
+
+@pytest.mark.parametrize("sampling", [(1.0, 5, 1.0), (1.0, 0, 0.75), (0.6, 3, 0.5)],
+                         ids=["top_k-all-tied", "top_p-all-equal", "both"])
+@pytest.mark.parametrize("drafter_case", ["pld-tree", "streaming-chain"])
+def test_seeded_speculation_at_sampling_boundaries(drafter_case, sampling):
+    """A target whose logits are all equal (its final norm zeroed): every token ties with the k-th and the nucleus
+    boundary falls among ties. Speculative sampling still emits exactly the plain sampler's tokens."""
+    import copy
+
+    temperature, top_k, top_p = sampling
+    target = copy.deepcopy(tiny_target("llama-gqa-d64"))
+    with torch.no_grad():
+        target.model.norm.weight.zero_()
+    ids, mask = ragged_batch([40, 29], seed=3, period=7)
+    kw = dict(max_new_tokens=NEW, temperature=temperature, top_k=top_k, top_p=top_p, seed=99, attention_mask=mask)
+    want = SpeculativeDecoder(target, None).generate(ids, **kw).sequences
+    _, make_drafter, shape = CASES[drafter_case]
+    got = SpeculativeDecoder(target, make_drafter(), tree_shape=shape).generate(ids, **kw).sequences
+    assert_same_tokens(got, want)
+    assert len(set(want[0, ids.shape[1]:].tolist())) > 3  # the draws spread over the tied tokens

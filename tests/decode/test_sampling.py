@@ -77,3 +77,62 @@ def test_sampling_params_errors():
         SamplingParams(1.0, top_p=1.5)
     with pytest.raises(ValueError, match="seed must be None or an int"):
         SamplingParams(1.0, seed=2**64)
+
+
+# --- boundary cases: where a strict and a non-strict comparison part, random logits never land -------------------
+_NEG = float("-inf")
+
+
+def _warped(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    want = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_k:
+        want = TopKLogitsWarper(top_k)(None, want)
+    if top_p < 1.0:
+        want = TopPLogitsWarper(top_p)(None, want)
+    return torch.isfinite(want)
+
+
+@pytest.mark.parametrize("logits,top_k,top_p,kept", [
+    # four tokens of mass exactly 1/4: the cumulative mass lands exactly on 1 - top_p = 1/2 after two of them,
+    # and those two (the boundary included) are dropped, as transformers' `cumulative <= 1 - top_p` drops them
+    ([0.0, 0.0, 0.0, 0.0, _NEG, _NEG, _NEG, _NEG], 0, 0.5, 2),
+    ([0.0] * 8, 0, 0.75, 6),  # all equal: 1 - top_p = 2/8 exactly
+    ([5.0, 3.0, 3.0, 3.0, 1.0, 0.0], 2, 1.0, 4),  # ties at the k-th logit are all kept
+    ([1.0] * 6, 3, 1.0, 6),  # all equal: every token ties with the k-th
+    ([_NEG, _NEG, 7.0, _NEG], 2, 0.3, 1),  # a single finite logit survives every filter
+    ([_NEG, 0.0, 0.0, _NEG], 1, 0.5, 1),  # top-k ties (2 kept) then top-p at its boundary: one left
+], ids=["top_p-boundary", "top_p-all-equal", "top_k-ties", "top_k-all-equal", "single-finite", "both-boundaries"])
+def test_boundary_cases_match_transformers_warpers(logits, top_k, top_p, kept):
+    x = torch.tensor([logits])
+    got = torch.isfinite(process_logits(x, SamplingParams(1.0, top_k, top_p)))
+    want = _warped(x, 1.0, top_k, top_p)
+    assert int(got.sum()) == int(want.sum()) == kept
+    # on these small rows torch's sort keeps ties in order, so transformers keeps the same tokens
+    assert torch.equal(got, want)
+
+
+def test_boundary_ties_drop_the_lower_ids_first():
+    """160 equal logits with top_p = 1/2: half are kept, like transformers (whose unstable sort keeps other ids
+    among exact ties); longspec keeps the higher ids (a stable ascending sort drops the lower ones first), the same
+    in plain and speculative sampling."""
+    x = torch.zeros(1, 160)
+    got = torch.isfinite(process_logits(x, SamplingParams(1.0, 0, 0.5)))
+    assert int(got.sum()) == int(_warped(x, 1.0, 0, 0.5).sum()) == 80
+    assert got[0, 80:].all() and not got[0, :80].any()
+
+
+def test_boundary_filters_never_draw_a_dropped_token():
+    """Seeded and generator draws over many keys from boundary cases: dropped tokens are never drawn and the kept
+    ones are drawn uniformly (they have equal mass)."""
+    x = torch.tensor([0.0, 0.0, 0.0, 0.0, _NEG, _NEG, 0.0, 0.0])  # six tokens of mass 1/6
+    n_rows, n_pos = 300, 100
+    logits = x.expand(n_rows, n_pos, 8)
+    pos = torch.arange(n_pos).expand(n_rows, n_pos)
+    p = process_logits(x, SamplingParams(1.0, 0, 0.5)).exp()
+    assert int((p > 0).sum()) == 3
+    for params, gen in ((SamplingParams(1.0, 0, 0.5, seed=5), None),
+                        (SamplingParams(1.0, 0, 0.5), torch.Generator().manual_seed(5))):
+        draws = sample_tokens(logits, params, pos, generator=gen).flatten()
+        freq = torch.bincount(draws, minlength=8).double() / draws.numel()
+        assert float(freq[p == 0].sum()) == 0.0
+        assert torch.allclose(freq[p > 0], torch.full((3,), 1 / 3, dtype=torch.float64), atol=0.01)

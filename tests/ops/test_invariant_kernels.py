@@ -123,6 +123,24 @@ def test_rms_norm_matches_reference(dtype, H):
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("eps", [1e-5, 1e-6])
+@pytest.mark.parametrize("scale", [1e-3, 1e3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rms_norm_kernel_at_edge_scales(dtype, scale, eps):
+    """The kernel against RMSNorm's float64 definition (not the reference, which could share a bug): inputs at
+    1e-3 (eps then weighs like mean(x^2)) and 1e3, a zero row (zeros, not NaN). fp16 holds 1e-3 x N(0, 1) as
+    subnormals at worst, so its rows are compared at fp16's tolerance."""
+    from .test_reference import _edge_rows, _rms_norm_naive
+
+    x = _edge_rows(64, scale, seed=11).to(dtype)
+    w = (torch.rand(64, generator=torch.Generator().manual_seed(12)) + 0.5).to(dtype)
+    got = rms_norm(x.to(DEVICE), w.to(DEVICE), eps).cpu().double()
+    want = _rms_norm_naive(x.float(), w.float(), eps)
+    atol, rtol = TOL[dtype]
+    assert torch.isfinite(got).all() and (got[0, 1] == 0).all()
+    torch.testing.assert_close(got, want, atol=atol * float(want.abs().max()), rtol=rtol)
+
+
 @pytest.mark.usefixtures("_row_local_dot")
 @pytest.mark.parametrize("config", LINEAR_CONFIGS, ids=LINEAR_IDS)
 @pytest.mark.parametrize("dtype", DTYPES)

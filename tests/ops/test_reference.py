@@ -241,6 +241,68 @@ def test_rms_norm_and_linear_against_transformers():
     assert (inv.invariant_linear(x, w, b) - torch.nn.functional.linear(x, w, b)).abs().max() < TOL
 
 
+def _edge_rows(H: int, scale: float, seed: int) -> torch.Tensor:
+    """[3, 4, H] rows at ``scale`` (real activations reach 1e-3 and 1e3), one row of zeros and one far below the
+    rest: the boundaries of an RMSNorm's condition, where eps decides the output."""
+    x = torch.randn(3, 4, H, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * scale
+    x[0, 1] = 0.0
+    x[2, 3] *= 1e-3
+    return x
+
+
+def _rms_norm_naive(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm from its definition in float64: w * x / sqrt(mean(x^2) + eps), one row at a time."""
+    out = torch.empty_like(x, dtype=torch.float64)
+    for idx in torch.cartesian_prod(*(torch.arange(n) for n in x.shape[:-1])):
+        row = x[tuple(idx)].double()
+        out[tuple(idx)] = w.double() * row / torch.sqrt((row * row).sum() / row.numel() + eps)
+    return out
+
+
+@pytest.mark.parametrize("eps", [1e-5, 1e-6])
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3])
+def test_rms_norm_reference_at_edge_scales(scale, eps):
+    """The reference against transformers' LlamaRMSNorm (bit for bit in float32 and bf16: the same ops) and against
+    the float64 definition (at 1e-3 scale eps moves the output by ~1 / (1 + eps / mean(x^2)), so a reference that
+    lost its eps fails here; a zero row must give zeros, not NaN)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from longspec_ops.reference import invariant as inv
+
+    H = 48
+    x64 = _edge_rows(H, scale, seed=int(scale * 1000) % 97)
+    norm = LlamaRMSNorm(H, eps=eps)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(H, generator=torch.Generator().manual_seed(3)) + 0.5)
+    w = norm.weight.detach()
+    for dtype in (torch.float32, torch.bfloat16):
+        x = x64.to(dtype)
+        got = inv.rms_norm(x, w.to(dtype), eps)
+        assert torch.equal(got, norm.to(dtype)(x).detach()), dtype
+        norm.float()
+    got = inv.rms_norm(x64.float(), w, eps).double()
+    want = _rms_norm_naive(x64.float(), w, eps)
+    assert torch.isfinite(got).all() and torch.equal(got[0, 1], torch.zeros(H, dtype=torch.float64))
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-30)
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1e3])
+def test_linear_reference_at_edge_scales(scale):
+    """invariant_linear's reference against torch.nn.functional.linear in float64, at small and large inputs and
+    weights (products near the float32 range's ends in the float32 accumulation) and with a zero row."""
+    from longspec_ops.reference import invariant as inv
+
+    x = _edge_rows(64, scale, seed=5)
+    g = torch.Generator().manual_seed(6)
+    w, b = torch.randn(24, 64, generator=g, dtype=torch.float64) * scale, torch.randn(24, generator=g,
+                                                                                       dtype=torch.float64)
+    want = torch.nn.functional.linear(x, w, b)
+    torch.testing.assert_close(inv.invariant_linear(x, w, b), want, rtol=1e-12, atol=0.0)
+    got32 = inv.invariant_linear(x.float(), w.float(), b.float()).double()
+    torch.testing.assert_close(got32, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+    assert torch.equal(inv.invariant_linear(x.float(), w.float(), None)[0, 1], torch.zeros(24))
+
+
 def test_prompt_lookup_chain_against_naive():
     """The longest n-gram (n <= 3) ending at the root, its latest earlier occurrence, the tokens after it (the text
     from the match to the root repeated past the root), found by Python loops over random rows."""
