@@ -355,7 +355,7 @@ class LongSpecDraft(PreTrainedModel):
             q_pos: int32 ``[B, S]`` and target_lens: int32 ``[B]``: query i sees target rows
                 ``[0, min(q_pos[b, i], target_lens[b]))`` (see :func:`longspec_ops.draft_cross_attn`); with
                 ``q_pos=None`` every query sees rows ``[0, target_lens[b])`` (tree nodes: the rows before the root),
-                one length per batch row, which the attention kernels take faster than per-query lengths.
+                one length per batch row (no per-query length kernel; the sm_90 kernel takes such calls).
             tp: the target is tensor-parallel (:class:`~longspec.model.parallel.TensorParallel`) and the cache
                 holds only this rank's ``Hkv / K`` KV heads: the cross-attention runs the query heads that read
                 them and the ranks gather the outputs (``[B, S, Hq, D]``, a few hundred KB per level), so no rank

@@ -23,9 +23,12 @@ from torch import Tensor
 
 _LOW = (1 << 32) - 1
 _KEY_MIN = tl.constexpr(-(1 << 63))  # no candidate (a column past V, a slot past a chunk's valid columns)
-# The select kernel keeps up to this many int64 keys in registers (32 a thread at 2 warps; more loop). At 8192 (16
-# parents x 32 chunks x 16) on the H200 it spilled and took 15.8 us a level at Llama-3-8B shapes (1fd01e7's profile);
-# chunks grow instead (to _TARGET_CANDIDATES per batch row), up to _MAX_CHUNK columns (32 a thread at 16 warps).
+# Chunks grow (up to _MAX_CHUNK columns, 32 a thread at 16 warps) until a batch row has at most _TARGET_CANDIDATES
+# candidates; the select kernel keeps up to _MAX_CANDIDATES_IN_REGISTERS int64 keys in registers (more loop through
+# a scratch buffer). Measured on the H200 (draft_profile.txt): with 8192 candidates and 8 warps the select took
+# 15.8 us a level at Llama-3-8B shapes (no spills: 95 registers offline); with this plan 12.3 us there, but 9.8
+# against 6.5 us on the shipped pair. The select is bound by its serial chain (WIDTH rounds of a 64-bit max over 32
+# keys a thread), not by registers; fewer keys a thread or a tournament over the chunks' sorted lists is next.
 _TARGET_CANDIDATES = 2048
 _MAX_CANDIDATES_IN_REGISTERS = 4096
 _MAX_CHUNK = 16384
@@ -189,7 +192,7 @@ def beam_topk(logits: Tensor, cum_logp: Tensor, width: int) -> tuple[Tensor, Ten
     lse = torch.empty((B, P), dtype=torch.float32, device=dev)
     in_registers = NC <= _MAX_CANDIDATES_IN_REGISTERS
     keys = cand if in_registers else torch.empty((B, NC), dtype=torch.int64, device=dev)  # unused in registers
-    # 32 columns a thread: up to 1024 columns one warp, whose reductions are shuffles with no block barrier
+    # 32 columns a thread: up to 1024 columns one warp
     _beam_chunk_kernel[(B * P, C)](logits, logits.stride(0), logits.stride(1), stats, cand, P, V, C, K1=k1,
                                    CHUNK=chunk, num_warps=_warps(chunk))
     c_pad = triton.next_power_of_2(C)
