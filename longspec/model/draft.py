@@ -26,20 +26,34 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from huggingface_hub.dataclasses import strict
 from torch import Tensor, nn
-from transformers import PreTrainedConfig, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, rotate_half
 
 import longspec_ops  # noqa: F401  (registers torch.ops.longspec)
+from longspec.model.draft_attention import (
+    shifted_cross_attention,
+    windowed_self_attention,
+)
+from longspec.model.draft_config import LongSpecDraftConfig
+from longspec.model.draft_files import (
+    DRAFT_VOCAB_FILE,
+    _check_state_dict,
+    _is_dtensor,
+    _read_state_dict,
+    _resolve,
+    _strip_prefix,
+    count_tokens,
+    frequent_tokens,
+    load_draft_vocab,
+    save_draft_vocab,
+)
 from longspec.model.packing import Packed, pack_projections, packed_or_none
 from longspec.model.parallel import TensorParallel, gather_heads
 from longspec.model.target import head_dim, num_kv_heads
-from longspec.runs import resolve_checkpoint
 
 # The 20 tensors of a published checkpoint; every one is a parameter of LongSpecDraft under the same name.
 PUBLISHED_TENSOR_NAMES: tuple[str, ...] = tuple(
@@ -48,84 +62,6 @@ PUBLISHED_TENSOR_NAMES: tuple[str, ...] = tuple(
     + [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
     + [f"{n}.weight" for n in ("input_layernorm", "post_self_attention_layernorm", "post_cross_attention_layernorm")]
 )
-
-_CONFIG_FIELDS = (
-    "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "hidden_act",
-    "rms_norm_eps", "initializer_range", "mlp_bias", "vocab_size",
-)  # fmt: skip
-
-
-@strict
-class LongSpecDraftConfig(PreTrainedConfig):
-    """Configuration of a :class:`LongSpecDraft`; the geometry fields mirror the target's config.
-
-    ``head_dim`` defaults to ``hidden_size // num_attention_heads`` (the published drafts' rule); ``window`` is the
-    self-attention window W (a query at position t sees keys at positions t-W..t, W + 1 keys with itself).
-    ``vocab_size`` is informational: it is checked against the target, whose embeddings and LM head are used.
-    """
-
-    model_type = "longspec_draft"
-
-    vocab_size: int = 32000
-    hidden_size: int = 4096
-    num_attention_heads: int = 32
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    intermediate_size: int = 11008
-    hidden_act: str = "silu"
-    rms_norm_eps: float = 1e-6
-    initializer_range: float = 0.02
-    mlp_bias: bool = False
-    window: int = 512
-
-    def __post_init__(self, **kwargs):
-        if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.num_attention_heads
-        if self.head_dim is None:
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        super().__post_init__(**kwargs)
-
-    def validate_architecture(self):
-        """Called by ``@strict``: the head geometry must be usable by the attention ops."""
-        if self.num_attention_heads % self.num_key_value_heads != 0:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
-        if self.window < 0:
-            raise ValueError(f"window must be >= 0, got {self.window}")
-
-    @classmethod
-    def from_target_config(cls, target_config: PreTrainedConfig, **overrides: Any) -> "LongSpecDraftConfig":
-        """The draft config for a target: its geometry, activation, eps and init range; ``overrides`` win.
-
-        head_dim is the target's (its cache is what the cross-attention reads), which equals
-        ``hidden_size // num_attention_heads`` for every published target.
-        """
-        text = target_config.get_text_config()
-        fields = {name: getattr(text, name) for name in _CONFIG_FIELDS if getattr(text, name, None) is not None}
-        fields["head_dim"] = head_dim(text)
-        fields.update(overrides)
-        return cls(**fields)
-
-    @classmethod
-    def from_checkpoint_json(cls, config_dict: dict, target_config: PreTrainedConfig) -> "LongSpecDraftConfig":
-        """Read a checkpoint's ``config.json``: ours (model_type ``longspec_draft``) or a published target-style one.
-
-        A target-style config (the published drafts ship the target's ``config.json``) contributes the fields the
-        authors' draft reads; head_dim is then ``hidden_size // num_attention_heads``, as in their code.
-        """
-        if config_dict.get("model_type") == cls.model_type:
-            return cls.from_dict(config_dict)
-        fields = {name: config_dict[name] for name in _CONFIG_FIELDS if config_dict.get(name) is not None}
-        missing = [n for n in ("hidden_size", "num_attention_heads") if n not in fields]
-        if missing:
-            raise ValueError(f"checkpoint config.json lacks {', '.join(missing)}")
-        fields.setdefault("num_key_value_heads", fields["num_attention_heads"])
-        fields["head_dim"] = fields["hidden_size"] // fields["num_attention_heads"]
-        fields.setdefault("vocab_size", target_config.get_text_config().vocab_size)
-        return cls(**fields)
-
 
 class LongSpecAttention(nn.Module):
     """The projections of one attention sublayer (``GlideAttention``): q/k/v with bias, o_proj without.
@@ -148,60 +84,6 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x ``[B, S, H, D]`` (flash layout) rotated by cos/sin ``[B, S, D]``, broadcast over heads (transformers'
     ``rotate_half`` convention, as the Llama/Qwen2 targets rotate)."""
     return x * cos[:, :, None, :] + rotate_half(x) * sin[:, :, None, :]
-
-
-def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None, causal: bool = False) -> Tensor:
-    """SDPA on flash-layout ``[B, S, H, D]`` tensors; kv heads are expanded to q's heads (GQA)."""
-    rep = q.shape[2] // k.shape[2]
-    k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=causal)
-    return out.transpose(1, 2)
-
-
-def windowed_self_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, window: int) -> Tensor:
-    """Causal attention where query i sees key j <= i iff ``positions[i] - positions[j] <= window``.
-
-    q ``[B, S, Hq, D]``, k/v ``[B, S, Hkv, D]``, positions int64 ``[B, S]`` non-decreasing. Queries go in blocks of
-    C = window rows; since positions grow at least as fast as indices, block j only needs keys of blocks j-1 and j,
-    so each block's mask is ``[C, 2C]`` and memory stays linear in S.
-    """
-    B, S, Hq, D = q.shape
-    C = max(1, min(window, S))
-    nb = -(-S // C)
-    pad = nb * C - S
-
-    def blocks(t: Tensor, fill) -> Tensor:  # [B, S, ...] -> [B, nb, C, ...] after padding the end
-        return torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, pad), value=fill).unflatten(1, (nb, C))
-
-    def with_previous(t: Tensor) -> Tensor:  # [B, nb, C, ...] -> [B, nb, 2C, ...]: block j-1 then block j
-        prev = torch.cat([torch.zeros_like(t[:, :1]), t[:, :-1]], dim=1)
-        return torch.cat([prev, t], dim=2)
-
-    idx = blocks(torch.arange(S, device=q.device).expand(B, S), -1)
-    pos = blocks(positions, 0)
-    kidx, kpos = with_previous(idx), with_previous(pos)
-    kidx[:, 0, :C] = -1  # no block before the first
-    qi, ki = idx[:, :, :, None], kidx[:, :, None, :]
-    mask = (ki >= 0) & (ki <= qi) & (pos[:, :, :, None] - kpos[:, :, None, :] <= window)
-    mask |= (qi < 0) & (torch.arange(2 * C, device=q.device) == C + torch.arange(C, device=q.device)[:, None])
-    qb, kb, vb = blocks(q, 0.0), with_previous(blocks(k, 0.0)), with_previous(blocks(v, 0.0))
-    out = _sdpa(qb.flatten(0, 1), kb.flatten(0, 1), vb.flatten(0, 1), mask.flatten(0, 1)[:, None])
-    return out.unflatten(0, (B, nb)).flatten(1, 2)[:, :S]
-
-
-def shifted_cross_attention(q: Tensor, target_key: Tensor, target_value: Tensor, delta: int) -> Tensor:
-    """Query t of q ``[B, S, Hq, D]`` attends to target rows ``<= t - delta`` of ``[B, N, Hkv, D]``.
-
-    Flash noisy training's shift: queries from index delta on and the first S - delta target rows make a square
-    causal problem, one flash-style call with no mask; the first delta queries see nothing and output 0.
-    """
-    B, S, Hq, D = q.shape
-    if delta >= S:
-        return torch.zeros_like(q)
-    n = S - delta
-    out = _sdpa(q[:, delta:], target_key[:, :n].to(q.dtype), target_value[:, :n].to(q.dtype), causal=True)
-    return torch.cat([q.new_zeros(B, delta, Hq, D), out], dim=1)
 
 
 @dataclass(frozen=True)
@@ -559,146 +441,6 @@ class LongSpecDraft(PreTrainedModel):
 
     # save_pretrained is transformers': config.json (LongSpecDraftConfig) + model.safetensors with the 20 names, no
     # prefix (the borrowed target is not a submodule, so it is not saved); from_pretrained reads it back.
-
-
-# --- the drafting vocabulary on disk ----------------------------------------------------------------------------------
-
-DRAFT_VOCAB_FILE = "draft_vocab.json"
-
-
-def _is_dtensor(t: Tensor) -> bool:
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
-def frequent_tokens(counts: Tensor, size: int) -> Tensor:
-    """The ``size`` most frequent token ids (int64, sorted) from per-token counts ``[V]`` (ties: lower id first)."""
-    if counts.dim() != 1:
-        raise ValueError(f"counts must be 1-D [V], got shape {tuple(counts.shape)}")
-    if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= counts.numel():
-        raise ValueError(f"size must be an int in [1, {counts.numel()}], got {size!r}")
-    # a stable descending sort keeps the lower id first among equal counts
-    order = torch.sort(counts.to(torch.float64).cpu(), descending=True, stable=True).indices
-    return torch.sort(order[:size]).values
-
-
-def count_tokens(batches, vocab_size: int) -> Tensor:
-    """int64 ``[vocab_size]`` occurrences of every token id in an iterable of integer tensors (a calibration pass
-    over tokenised text, for drafts that ship no drafting vocabulary)."""
-    counts = torch.zeros(vocab_size, dtype=torch.int64)
-    for ids in batches:
-        ids = torch.as_tensor(ids).flatten().to(torch.int64).cpu()
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-            raise ValueError(f"token ids must lie in [0, {vocab_size}), got [{int(ids.min())}, {int(ids.max())}]")
-        counts += torch.bincount(ids, minlength=vocab_size)
-    return counts
-
-
-def save_draft_vocab(directory: str | os.PathLike, token_ids: Tensor) -> None:
-    """Write ``draft_vocab.json`` (the sorted target token ids) into a checkpoint directory."""
-    ids = sorted(int(i) for i in torch.as_tensor(token_ids).flatten().tolist())
-    (Path(directory) / DRAFT_VOCAB_FILE).write_text(json.dumps({"token_ids": ids}))
-
-
-def load_draft_vocab(path: str | os.PathLike) -> Tensor:
-    """Read a ``draft_vocab.json``: int64 token ids."""
-    try:
-        data = json.loads(Path(path).read_text())
-        ids = data["token_ids"]
-        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
-            raise TypeError
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"{path} is not a drafting vocabulary (a JSON object with a 'token_ids' list of ints): "
-                         f"{err}") from None
-    return torch.tensor(ids, dtype=torch.int64)
-
-
-# --- loading helpers --------------------------------------------------------------------------------------------------
-
-_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "draft_model_weights.pth")
-
-
-def _resolve(name_or_path: str | os.PathLike) -> Path:
-    """A local path as is; otherwise a Hub repository id, fetched with huggingface_hub (config and weights only)."""
-    path = Path(name_or_path)
-    if path.exists():
-        return resolve_checkpoint(path)  # a training run directory stands for its latest checkpoint
-    if os.path.isabs(str(name_or_path)) or str(name_or_path).count("/") != 1:
-        raise FileNotFoundError(f"no draft checkpoint at {name_or_path}")
-    from huggingface_hub import snapshot_download
-
-    patterns = ["*.json", "*.safetensors", "*.bin", "*.pth", "*.pt"]
-    return Path(snapshot_download(str(name_or_path), allow_patterns=patterns))
-
-
-def _weight_files(path: Path) -> list[Path]:
-    """The weight files of a checkpoint directory (a sharded safetensors index included), or the file itself."""
-    if path.is_file():
-        return [path]
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / s for s in shards]
-    for name in _WEIGHT_FILES:
-        if (path / name).is_file():
-            return [path / name]
-    found = sorted(path.glob("*.safetensors"))
-    found = found or sorted(p for ext in ("pth", "pt", "bin") for p in path.glob(f"*.{ext}"))
-    if not found:
-        raise FileNotFoundError(f"no weights (*.safetensors, *.bin, *.pth, *.pt) in {path}")
-    return found
-
-
-def _read_state_dict(path: Path) -> dict[str, Tensor]:
-    """Every tensor of the checkpoint, on CPU. Pickled files load with ``weights_only=True``: tensors only."""
-    from safetensors.torch import load_file
-
-    state: dict[str, Tensor] = {}
-    for file in _weight_files(path):
-        if file.suffix == ".safetensors":
-            part = load_file(str(file), device="cpu")
-        else:
-            part = torch.load(file, map_location="cpu", weights_only=True)
-            if not isinstance(part, dict) or not all(isinstance(t, Tensor) for t in part.values()):
-                raise ValueError(f"{file} is not a state dict of tensors")
-        state.update(part)
-    return state
-
-
-def _strip_prefix(state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Drop the ``model.`` prefix transformers adds for a base model; the same name twice is an error."""
-    out: dict[str, Tensor] = {}
-    for name, t in state.items():
-        bare = name[len("model."):] if name.startswith("model.") else name
-        if bare in out:
-            raise ValueError(f"checkpoint holds {bare!r} both with and without the 'model.' prefix")
-        out[bare] = t
-    return out
-
-
-def _check_state_dict(draft: LongSpecDraft, state: dict[str, Tensor]) -> None:
-    """Every expected tensor present, nothing else, and every shape as the geometry requires."""
-    expected = {name: tuple(p.shape) for name, p in draft.state_dict().items()}
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        parts = ([f"missing tensors: {', '.join(missing)}"] if missing else []) + (
-            [f"unexpected tensors: {', '.join(unexpected)}"] if unexpected else []
-        )
-        raise ValueError("draft checkpoint does not match LongSpecDraft: " + "; ".join(parts))
-    c = draft.config
-    geometry = (
-        f"hidden {c.hidden_size}, heads {c.num_attention_heads}/{c.num_key_value_heads}, head_dim {c.head_dim}, "
-        f"intermediate {c.intermediate_size}"
-    )
-    for name, shape in expected.items():
-        if tuple(state[name].shape) != shape:
-            raise ValueError(
-                f"draft checkpoint tensor {name} has shape {tuple(state[name].shape)}, expected {shape} ({geometry})"
-            )
 
 
 def check_target_compatible(config: LongSpecDraftConfig, target: nn.Module) -> None:
