@@ -154,7 +154,7 @@ def profile_draft(dec, context: int, replays: int = 10, rows: int = 40) -> str:
     run = dec.synthetic_run(context, rounds=8)
     with dec.rounds():
         dec.step(run)  # compiles and captures the draft graph
-        graph = run.draft_graphs[None].graph
+        graph = run.slot.drafts[(None, None)].graph
         graph.replay()
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

@@ -190,6 +190,15 @@ def _generate(args: argparse.Namespace, model, tokenizer, prompt_ids, draft_path
     seed = args.seed
     if world > 1 and args.temperature > 0 and seed is None:
         seed = _shared_random_seed(device)  # every rank must draw the same tokens
+    if args.cuda_graphs or args.compile:  # compile and capture before the request, not inside its rounds
+        if main_rank:
+            print("longspec: warming up (torch.compile, CUDA-graph capture) for this request's size ...",
+                  file=sys.stderr, flush=True)
+        report = decoder.warmup(batch_sizes=(1,), max_context=prompt_ids.shape[1] + args.max_new_tokens,
+                                temperatures=(args.temperature,), top_k=args.top_k, top_p=args.top_p,
+                                seeded=seed is not None, progress=main_rank)
+        if main_rank:
+            print(f"longspec: {report}".splitlines()[0], file=sys.stderr, flush=True)
     out = decoder.generate(prompt_ids.to(device), max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed,
                            streamer=streamer)

@@ -73,9 +73,8 @@ def run_demo(context: int = 4096, new_tokens: int = 128, device: str | torch.dev
     results, reference = [], None
     for name, (drafter, shape) in methods.items():
         dec = SpeculativeDecoder(pair.target, drafter, tree_shape=shape, cuda_graphs=cuda)
-        if cuda:  # warm-up: kernel compilation and graph capture (on a CPU there is neither)
-            dec.generate(ids, 8, eos_token_id=[])
-            torch.cuda.synchronize()
+        if cuda:  # kernel compilation and graph capture before the timed call (on a CPU there is neither)
+            dec.warmup(batch_sizes=(1,), max_context=ids.shape[1] + new_tokens, progress=False)
         t0 = time.perf_counter()
         out = dec.generate(ids, new_tokens, eos_token_id=[])
         if cuda:
@@ -105,6 +104,8 @@ def print_demo(context: int, new_tokens: int, device: torch.device, dtype: str, 
 
     say(f"longspec demo: the shipped code pair (target 15.7M parameters + LongSpec draft), {device} {dtype}; "
         "loading it and building the prompt")
+    if torch.device(device).type == "cuda":
+        say("each decoder is warmed up first (Triton compiles, CUDA graphs captured: a few seconds each), untimed")
     base: dict[str, float] = {}  # plain decoding's tokens/s, the first row
 
     def on_prompt(package: str, n: int) -> None:

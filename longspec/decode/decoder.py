@@ -14,7 +14,9 @@ A generate call:
    stopped row stays in the batch, masked. The only host sync per round reads whether any row is still active.
 
 With ``cuda_graphs=True`` a round is graph replays only (:mod:`~longspec.decode.graphs`): the drafter's
-``propose``, the target forward, and the *tail* (draws, acceptance, stops, ``commit_kv_`` and the state update).
+``propose``, the target forward, and the *tail* (draws, acceptance, stops, ``commit_kv_`` and the state update),
+each captured once per batch size on the tensors of a :class:`~longspec.decode.slot.Slot` that outlives the call;
+:meth:`SpeculativeDecoder.warmup` captures them (and compiles, and calibrates a budget) before the first request.
 With ``compile=True`` the target's layers (:class:`~longspec.model.target.CompiledTarget`), the drafter's
 ``propose`` and the tail are ``torch.compile``d, so each replays as a few fused kernels per layer instead of
 dozens of small ones.
@@ -26,10 +28,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
 import functools
 import time
-from dataclasses import dataclass, field
+import warnings
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
@@ -49,107 +50,20 @@ from longspec.model.target import (
     use_longspec_attention,
 )
 
-from .budget import AcceptanceStats, AdaptiveBudget, CostModel, fit_line, root_tree, sampling_key, tail_label
-from .drafter import DecodeState, DraftTree, Drafter, TreeSpec
+from . import calibration, warmup
+from .budget import AdaptiveBudget, CostModel, root_tree, sampling_key, tail_label
+from .drafter import DecodeState, Drafter, DraftTree, TreeSpec
 from .graphs import CapturedCall, CapturedDraft
+from .modes import KVUpdate, Numerics, check_drafter, check_numerics
 from .prompt import Prompt, eos_ids, output_sequences, pad_id, prepare_prompt
-from .sampling import NoiseKey, SamplingParams, noise_key, sample_tokens
-from .stats import DecodeStats, PhaseTimer, accept_lengths, collect_stats
+from .run import GenerateOutput, Run, write_report
+from .sampling import SamplingParams, sample_tokens
+from .slot import Slot
+from .stats import PhaseTimer, accept_lengths, collect_stats
 from .tail import TAIL
 from .tree import complete_tree, prefix_tree_mask, tree_positions
 
 Streamer = Callable[[Tensor, Tensor], None]
-
-
-class KVUpdate(enum.Enum):
-    """How the accepted path's K/V reach their committed rows after a verify (both exact; measure, keep the faster).
-
-    COMMIT: ``commit_kv_`` moves the path's rows into place in every layer (one launch for all layers).
-    REFEED: only the last layer is compacted (the rows a LongSpec draft reads); the next verify forward re-feeds the
-            path ahead of the tree (depth + 1 more query slots), which rewrites those rows in every layer. Between
-            rounds the other layers hold valid rows only up to ``seqlens - pending``, so drafters that read them
-            (:class:`~longspec.decode.streaming.StreamingSelfDrafter`) need COMMIT.
-    """
-
-    COMMIT = enum.auto()
-    REFEED = enum.auto()
-
-
-class Numerics(enum.Enum):
-    """How the target's decode and verify forwards round.
-
-    FAST: the fastest kernels (cuBLAS linears, PyTorch norms, split-KV attention sized by the launch). In float32
-          speculative output equals plain decoding's; in bf16 a near-tie of the next-token logits may flip, because
-          a verify forward (T tokens) and a decode forward (1 token) reduce in different orders.
-    INVARIANT: batch-invariant kernels (:mod:`longspec.model.invariant`): one fixed GEMM tiling for every M
-          (split-K chosen by N and K only, the partials summed in a fixed order), row-wise RMSNorm, and attention
-          split at fixed absolute key positions where each tree node sees exactly the keys decoding would after its
-          ancestors are committed. A token's logits inside a verify forward are then bitwise equal to plain
-          decoding's (``drafter=None`` in this mode: the reference) for any tree, drafter and batch row, in bf16
-          too, so the output equals plain decoding in this mode token for token. The prefill (identical for both)
-          stays FAST. ``compile=True`` compiles the target's layers around the invariant ops as in FAST mode;
-          Inductor's fused elementwise code (RoPE, SiLU * up, residual adds) rounds differently from eager's, so
-          the reference is then plain decoding in this mode *and* compile setting. Cost (H200, bf16, Llama-3-8B,
-          32k, ``compile=True``): decode 1.14x, verify 1.42x and a LongSpec round 1.31x the FAST mode's, mostly
-          the attention (46 / 131 us per layer at M = 1 / 69 against 38 / 87) and the linears at the verify width
-          (``python -m benchmarks.bench_step_latency --numerics both``, ``python -m benchmarks.sweep_invariant``).
-          Needs ``KVUpdate.COMMIT`` and a target on one device (no tensor parallelism).
-    """
-
-    FAST = enum.auto()
-    INVARIANT = enum.auto()
-
-
-@dataclass
-class GenerateOutput:
-    """What :meth:`SpeculativeDecoder.generate` returns.
-
-    sequences:      int64 ``[B, S_in + G]``: the input as given, then each row's generated tokens (G = the longest
-                    row's count), right-padded with the pad id (the EOS id when the model has none) after it stopped.
-    accept_lengths: list of B lists: ``accept_lengths[b][r]`` = tokens row b emitted by the r-th verify forward it
-                    took part in (accepted drafts + bonus, after stop truncation; always 1 for plain decoding). The
-                    first token, sampled by the prefill, is not counted, so ``1 + sum(accept_lengths[b])`` is row
-                    b's generated length.
-    stats:          :class:`DecodeStats`.
-    """
-
-    sequences: Tensor
-    accept_lengths: list[list[int]]
-    stats: DecodeStats
-
-
-@dataclass
-class Run:
-    """The mutable state of one generate call (static shapes; updated in place); :meth:`SpeculativeDecoder.step`
-    advances it by one round."""
-
-    state: DecodeState
-    params: SamplingParams
-    eos: Tensor  # int64 [E]
-    max_new: int
-    generated: Tensor  # int64 [B] tokens emitted so far, root included
-    generator: Optional[torch.Generator]
-    pending: Tensor  # int64 [B] (REFEED) rows [seqlens - pending, seqlens) held by the last layer only
-    history: list[Tensor] = field(default_factory=list)  # per round: int64 [B] tokens emitted
-    nodes: list[int] = field(default_factory=list)  # per round: the verified tree's node count
-    predicted: list[Tensor] = field(default_factory=list)  # per round under a budget: its option's realised tau []
-    options: list[str] = field(default_factory=list)  # per round under a budget: the chosen option's label
-    draft_graphs: dict = field(default_factory=dict)  # option index (None: the fixed tree) -> CapturedDraft
-    tails: dict = field(default_factory=dict)  # (tail name, nodes) -> this call's round tail as a CUDA graph
-    dropped_capture_s: float = 0.0  # capture seconds of draft graphs dropped within the call (drafter re-prefilled)
-    seed: Optional[NoiseKey] = None  # params.seed as data (noise_key), when seeded
-    # adaptive budget (SpeculativeDecoder(budget=...)): statistics, and what the last sync read for the choice
-    stats: Optional[AcceptanceStats] = None
-    report: Optional[Tensor] = None  # float32 [2B + 2K]: what the sync reads (_write_report), written by the tail
-    context: float = 0.0  # mean committed length of the active rows
-    realised: list = field(default_factory=list)  # each option's running realised tau
-    seen: list = field(default_factory=list)  # whether it has one
-    stale: bool = False  # the drafter sat out a round and has no observe(): prefill it before it drafts again
-
-    @property
-    def noise_generator(self) -> Optional[torch.Generator]:
-        """The generator the draws consume: only unseeded sampling draws from one (greedy and seeded need none)."""
-        return None if self.params.greedy or self.params.seed is not None else self.generator
 
 
 class SpeculativeDecoder:
@@ -162,12 +76,14 @@ class SpeculativeDecoder:
             or a :class:`~longspec.decode.drafter.TreeSpec` (``TreeSpec.merged(...)`` for a
             :class:`~longspec.decode.merge.MergedDrafter`).
         cuda_graphs: replay every round from CUDA graphs (CUDA only): the target's decode / verify forwards
-            (captured once per decoder), the drafter's ``propose`` when it offers ``graph_state()`` (all three
-            built-in drafters do) and the round's tail (captured once per ``generate`` call).
+            the drafter's ``propose`` when it offers ``graph_state()`` (all three built-in drafters do) and the
+            round's tail: each captured on its first round of a batch size and kept across calls (:meth:`warmup`
+            captures them up front).
         compile: ``torch.compile`` the target's decoder layers (:class:`~longspec.model.target.CompiledTarget`),
             the drafter's ``propose`` when it declares ``compilable = True`` (the LongSpec and prompt-lookup
             drafters do) and the round's tail. The first round of each new shape waits for the compile (seconds
-            per compiled function; torch.compile caches the results on disk, so later processes wait less).
+            per compiled function; torch.compile caches the results on disk, so later processes wait less);
+            :meth:`warmup` compiles every shape a request can have up front.
         prefill_chunk_size: prompt tokens per prefill forward (bounds prefill activation memory).
         max_cache_len: refuse requests needing more cache rows than this (prompt + max_new_tokens + scratch rows).
         kv_update: :class:`KVUpdate` strategy for the accepted path's K/V (COMMIT by default).
@@ -185,12 +101,15 @@ class SpeculativeDecoder:
     under ``torchrun``) is decoded the same way on every rank: each rank's cache holds its KV heads only, every
     rank calls ``generate`` with the same arguments and gets the same output.
 
-    The decoder keeps its KV cache between ``generate`` calls (reused when big enough, so captured CUDA graphs stay
-    valid); one decoder serves one call at a time.
+    The decoder keeps its KV cache and round state between ``generate`` calls, one
+    :class:`~longspec.decode.slot.Slot` per batch size warmed up (and one more for the last other batch size), reused
+    while big enough so that captured CUDA graphs and compiled code stay valid; one decoder serves one call at a
+    time.
 
     Example::
 
         >>> dec = SpeculativeDecoder(model, PromptLookupDrafter(), tree_shape=(1, 1, 1, 1))
+        >>> dec.warmup(batch_sizes=(1,), max_context=8192)               # optional: no capture or compile later
         >>> out = dec.generate(input_ids, max_new_tokens=64)           # greedy == model.generate(do_sample=False)
         >>> out.sequences.shape                                         # [B, S + generated]
     """
@@ -212,8 +131,8 @@ class SpeculativeDecoder:
         check_supported(target)
         # a target sharded by transformers' tensor-parallel plan: every rank runs this same loop on its local heads
         self.tp = tensor_parallel(target)
-        _check_drafter(target, drafter, kv_update)
-        _check_numerics(numerics, kv_update, self.tp)
+        check_drafter(target, drafter, kv_update)
+        check_numerics(numerics, kv_update, self.tp)
         self.numerics = numerics
         self._invariant = InvariantTarget(target) if numerics is Numerics.INVARIANT else None
         if not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1:
@@ -232,8 +151,8 @@ class SpeculativeDecoder:
         self.cuda_graphs = bool(cuda_graphs)
         self.prefill_chunk_size = prefill_chunk_size
         self.max_cache_len = max_cache_len
-        self._cache: Optional[StaticKVCache] = None
-        self._graphs: dict[str, CapturedCall] = {}
+        self._slots: dict[int, Slot] = {}  # batch size -> its persistent state and graphs
+        self._last: Optional[Slot] = None  # the slot of the last call
         self.phase_times = bool(phase_times)
         self._compiled = CompiledTarget(target) if compile else None
         self._propose_fn = drafter.propose if drafter is not None else None
@@ -281,11 +200,11 @@ class SpeculativeDecoder:
         eos = eos_ids(eos_token_id, self.target)
         timer = PhaseTimer(device, enabled=self.phase_times)
         if self.budget is not None:
-            self._ensure_costs(prompt.tokens.shape[0], total, params)
+            calibration.ensure_costs(self, prompt.tokens.shape[0], total, params)
         t0 = time.perf_counter()
         with torch.inference_mode(), use_longspec_attention(self.target):
             run = self._start(prompt, params, eos, max_new_tokens, generator)
-            held_capture_s = self._capture_seconds(run)  # the forward graphs held before the rounds
+            held = run.slot.capture_seconds(), run.slot.captures()  # the graphs held before the rounds
             if streamer is not None:
                 streamer(run.state.root[:, None], torch.ones_like(run.generated))
             with self._compiled_layers():
@@ -294,73 +213,44 @@ class SpeculativeDecoder:
                                          pad_id(self.target, eos))
         t2 = time.perf_counter()
         stats = collect_stats(run.history, run.generated, timer, t1 - t0, t2 - t1, run.nodes, run.predicted,
-                              self._capture_seconds(run) - held_capture_s, run.options)
+                              run.slot.capture_seconds() - held[0], run.options, run.slot.captures() - held[1])
         return GenerateOutput(sequences, accept_lengths(run.history, run.generated.shape[0]), stats)
 
-    def _capture_seconds(self, run: Run) -> float:
-        """Seconds spent capturing the decoder's forward graphs (over its life) and the call's draft and tail
-        graphs."""
-        held = list(self._graphs.values()) + list(run.draft_graphs.values()) + list(run.tails.values())
-        return run.dropped_capture_s + sum(g.capture_s for g in held)
-
-    # -- phases ---------------------------------------------------------------------------------------------------
-
-    def _start(self, prompt: Prompt, params: SamplingParams, eos: Tensor, max_new: int,
-               generator: Optional[torch.Generator]) -> Run:
-        """Allocate, prefill, sample the first token and let the drafter prefill."""
-        B = prompt.tokens.shape[0]
-        cache = self._cache_for(B, prompt.max_len + max_new + self._scratch_rows())
-        width = prompt.max_len + max_new + self.tree.depth + 2  # room for a round's writes past the end
-        tokens = torch.zeros(B, width, dtype=torch.int64, device=cache.kv.device)
-        tokens[:, : prompt.tokens.shape[1]] = prompt.tokens
-        logits = self._prefill_logits(cache, prompt)
-        root = sample_tokens(logits, params, prompt.lens[:, None], generator)[:, 0]
-        return self._begin(cache, tokens, prompt.lens, root, params, eos, max_new, generator)
-
-    def _begin(self, cache: StaticKVCache, tokens: Tensor, lens: Tensor, root: Tensor, params: SamplingParams,
-               eos: Tensor, max_new: int, generator: Optional[torch.Generator]) -> Run:
-        """The run after the prefill: ``lens`` committed rows per row, ``root`` pending; the drafter prefills."""
-        self.tree.depth_tensor(cache.kv.device)  # made here, outside any graph capture
-        cache.seqlens.copy_(lens.to(torch.int32))
-        tokens.scatter_(1, lens[:, None], root[:, None])
-        active = ~torch.isin(root, eos) & (max_new > 1)
-        state = DecodeState(self.target, cache, tokens, root, active, max_depth=self.tree.depth)
-        zeros = torch.zeros(root.shape[0], dtype=torch.int64, device=root.device)
-        run = Run(state, params, eos, max_new, zeros + 1, generator, pending=zeros.clone())
-        if params.seed is not None:
-            run.seed = noise_key(params.seed, self.target.get_output_embeddings().weight.shape[0], root.device)
-        if self.budget is not None:
-            run.stats = self.budget.stats_for(sampling_key(params), root.device)
-            run.report = torch.zeros(2 * root.shape[0] + 2 * len(run.stats.realised), device=root.device)
-            _write_report(run)
-        # the token buffer's width changes with every request: one dynamic dimension, not one compile per width
-        torch._dynamo.maybe_mark_dynamic(tokens, 1)
-        if self.drafter is not None:
-            self.drafter.prefill(state, self.tree)
-        return run
+    def warmup(self, batch_sizes: Sequence[int] = (1,), max_context: Optional[int] = None,
+               temperatures: Sequence[float] = (0.0,), top_k: int = 0, top_p: float = 1.0, seeded: bool = False,
+               progress: bool = True) -> "warmup.WarmupReport":
+        """Prepare every request of up to ``max_context`` tokens (prompt + ``max_new_tokens``) for each batch size
+        in ``batch_sizes``: allocate its cache and state once, compile (``compile=True``), calibrate the budget's
+        costs (when it has none for these settings) and capture every graph a round can replay (each budget
+        option's draft, the decode / verify forwards, each round tail) for each of ``temperatures`` (0: greedy)
+        with ``top_k`` / ``top_p``, seeded (``seed=``) or drawn from the default generator. Afterwards no
+        ``generate`` within those settings captures or compiles (``DecodeStats.captures == 0``). A tqdm bar shows
+        the steps (``progress=False``: none). Returns a :class:`~longspec.decode.warmup.WarmupReport` (seconds per
+        part, memory held)."""
+        return warmup.warmup(self, batch_sizes, max_context, temperatures, top_k, top_p, seeded, progress)
 
     def synthetic_run(self, context: int, batch: int = 1, rounds: int = 64, seed: int = 0,
-                      params: Optional[SamplingParams] = None) -> Run:
+                      params: Optional[SamplingParams] = None, as_given: bool = False) -> Run:
         """A run over ``context`` committed rows of random K/V and random tokens, with no prefill, room for
         ``rounds`` more rounds and no stop: what the step benchmarks time (a round's cost depends on the committed
         length, the shapes and the sampling settings, not on the values). Greedy unless ``params``; unseeded
         sampling runs seeded here (its draws come from a counter instead of a ``torch.Generator``: the same filters
-        and about the same work). Drive it with :meth:`step`."""
+        and about the same work) unless ``as_given`` (then from the default generator). Drive it with
+        :meth:`step`."""
         device = self.target.get_output_embeddings().weight.device
         max_new = rounds * (self.tree.depth + 1) + 1
-        cache = self._cache_for(batch, context + max_new + self._scratch_rows())
-        gen = torch.Generator(device=device).manual_seed(seed)
-        cache.kv.normal_(generator=gen)
         vocab = self.target.get_output_embeddings().weight.shape[0]
-        tokens = torch.randint(0, vocab, (batch, context + max_new + self.tree.depth + 2), device=device,
-                               generator=gen)
-        lens = torch.full((batch,), context, dtype=torch.int64, device=device)
-        no_stop = torch.zeros(0, dtype=torch.int64, device=device)
-        with torch.inference_mode(), use_longspec_attention(self.target):
-            params = SamplingParams() if params is None else params
-            if not params.greedy and params.seed is None:
-                params = dataclasses.replace(params, seed=seed)
-            return self._begin(cache, tokens, lens, tokens[:, context].clone(), params, no_stop, max_new, None)
+        params = SamplingParams() if params is None else params
+        if not params.greedy and params.seed is None and not as_given:
+            params = dataclasses.replace(params, seed=seed)
+        with torch.inference_mode(), use_longspec_attention(self.target):  # the slot may hold inference tensors
+            slot = self._slot_for(batch, context + max_new + self._scratch_rows())
+            gen = torch.Generator(device=device).manual_seed(seed)
+            slot.cache.kv.normal_(generator=gen)
+            slot.tokens.random_(0, vocab, generator=gen)
+            lens = torch.full((batch,), context, dtype=torch.int64, device=device)
+            no_stop = torch.zeros(0, dtype=torch.int64, device=device)
+            return self._begin(slot, lens, slot.tokens[:, context].clone(), params, no_stop, max_new, None)
 
     @contextlib.contextmanager
     def rounds(self) -> Iterator[None]:
@@ -381,47 +271,51 @@ class SpeculativeDecoder:
         ``contexts`` (a synthetic run, as :meth:`synthetic_run`, greedy or with the sampling ``params``), split by
         phase into draft (per draft variant) and verify + tail (per node count: the model's ``verify`` table, or
         its ``sampled`` one under :func:`~longspec.decode.budget.tail_label` of sampled ``params``); each fitted as
-        ``a + b * context``. Runs outside ``generate``."""
-        budget = self.budget
-        if budget is None:
-            raise ValueError("calibrate needs a decoder built with budget=AdaptiveBudget(...)")
-        options = budget.options
-        run = self.synthetic_run(max(contexts), batch, rounds=len(options) * (reps + 1) * len(contexts) + 2,
-                                 params=params)
-        run.stats = AcceptanceStats(max(1, len(self.tree.parts)), self.tree.depth, len(options), run.state.root.device)
-        verify: dict[int, list] = {}
-        draft: dict[str, list] = {}
-        with self.rounds():
-            for context in contexts:
-                for i, option in enumerate(options):
-                    run.state.cache.seqlens.fill_(context)
-                    self.step(run, option=i)  # captures, compiles
-                    timer = PhaseTimer(run.state.root.device)
-                    for _ in range(reps):
-                        self.step(run, timer, option=i)
-                    us = {k: v * 1e6 / reps for k, v in timer.seconds().items()}
-                    verify.setdefault(option.nodes, []).append((context, us["verify"] + us["accept"]))
-                    draft.setdefault(option.draft_key, []).append((context, us["draft"]))
-        tail = tail_label(run.params)
-        table = {batch: {n: fit_line(p) for n, p in verify.items()}}
-        return CostModel({} if tail else table, {batch: {k: fit_line(p) for k, p in draft.items()}},
-                         {"device": str(run.state.root.device), "contexts": list(contexts), "reps": reps},
-                         {tail: table} if tail else {})
+        ``a + b * context``. Runs outside ``generate``; the graphs it captures serve later calls
+        (:mod:`~longspec.decode.calibration`)."""
+        return calibration.calibrate(self, batch, contexts, reps, params)
 
-    def _ensure_costs(self, batch: int, extent: int, params: SamplingParams) -> None:
-        """Make sure the budget has costs for this batch and sampling: given, cached on disk, or calibrated now
-        (and cached)."""
-        budget, tail = self.budget, tail_label(params)
-        if budget.costs is not None and budget.costs.covers(batch, budget.options, tail):
-            return
-        path = budget.cost_file(self)
-        costs = budget.costs or CostModel()
-        if path.is_file():
-            costs.update(CostModel.load(path))
-        if not costs.covers(batch, budget.options, tail):
-            costs.update(self.calibrate(batch, sorted({max(1, extent // 4), extent}), params=params))
-            costs.save(path)
-        budget.costs = costs
+    @property
+    def _cache(self) -> Optional[StaticKVCache]:
+        """The last call's KV cache (tests and benchmarks read its geometry)."""
+        return self._last.cache if self._last is not None else None
+
+    # -- phases ---------------------------------------------------------------------------------------------------
+
+    def _start(self, prompt: Prompt, params: SamplingParams, eos: Tensor, max_new: int,
+               generator: Optional[torch.Generator]) -> Run:
+        """Copy the request into its slot, prefill, sample the first token and let the drafter prefill."""
+        B, S = prompt.tokens.shape
+        slot = self._slot_for(B, prompt.max_len + max_new + self._scratch_rows())
+        slot.tokens.zero_()
+        slot.tokens[:, :S] = prompt.tokens
+        logits = self._prefill_logits(slot.cache, prompt)
+        root = sample_tokens(logits, params, prompt.lens[:, None], generator)[:, 0]
+        return self._begin(slot, prompt.lens, root, params, eos, max_new, generator)
+
+    def _begin(self, slot: Slot, lens: Tensor, root: Tensor, params: SamplingParams, eos: Tensor, max_new: int,
+               generator: Optional[torch.Generator]) -> Run:
+        """The run after the prefill: ``lens`` committed rows per row, ``root`` pending; the drafter prefills."""
+        cache = slot.cache
+        self.tree.depth_tensor(cache.kv.device)  # made here, outside any graph capture
+        cache.seqlens.copy_(lens.to(torch.int32))
+        slot.root.copy_(root)
+        slot.tokens.scatter_(1, lens[:, None], root[:, None])
+        slot.active.copy_(~torch.isin(root, eos) & (max_new > 1))
+        slot.generated.fill_(1)
+        slot.pending.zero_()
+        slot.max_new.fill_(max_new)
+        slot.set_eos(eos)
+        if params.seed is not None:
+            slot.set_seed(params.seed)
+        state = DecodeState(self.target, cache, slot.tokens, slot.root, slot.active, max_depth=self.tree.depth)
+        run = Run(slot, state, params, max_new, generator)
+        if self.budget is not None:
+            run.stats = self.budget.stats_for(sampling_key(params), root.device)
+            write_report(run)
+        if self.drafter is not None:
+            self.drafter.prefill(state, self.tree)
+        return run
 
     def _compiled_layers(self) -> contextlib.AbstractContextManager:
         return self._compiled.active() if self._compiled is not None else contextlib.nullcontext()
@@ -472,7 +366,7 @@ class SpeculativeDecoder:
         row is still active. Under a budget the same read (of the report the round's tail wrote) brings the
         committed length and every option's running realised tau for the next choice (into ``run``)."""
         state, stats = run.state, run.stats
-        # under a budget: the report the round's tail wrote (_write_report), so no op runs eagerly here
+        # under a budget: the report the round's tail wrote (write_report), so no op runs eagerly here
         values = state.active.any()[None] if stats is None else run.report
         event = None
         if values.is_cuda:
@@ -513,7 +407,7 @@ class SpeculativeDecoder:
                 else:
                     run.stale = True  # it will miss this round's tokens
             with timer.phase("verify"):
-                logits = self._forward("decode", self._decode_logits)(run.state.root[:, None])
+                logits = self._forward(run, "decode")(run.state.root[:, None])
             with timer.phase("accept"):
                 emitted, kept = self._tail(run, "plain", logits)
             if index is not None:
@@ -551,21 +445,24 @@ class SpeculativeDecoder:
         :meth:`~longspec.decode.budget.AcceptanceStats.record` takes besides the acceptance (the nodes' statistics
         cells and the option scoring, from :meth:`~longspec.decode.budget.AdaptiveBudget.shape`): the drafter's
         tree, or the budget's option ``index`` of it. Under CUDA graphs when enabled and the drafter offers
-        ``graph_state``: one graph per option, captured on its first round of each generate call."""
+        ``graph_state``: one graph per option (and sampling setting, under a budget) in the slot, captured on its
+        first round and recaptured only if the drafter's state moved."""
         plain = index is not None and self.budget.options[index].spec is None
         if plain and not hasattr(self.drafter, "observe"):
             run.stale = True  # it will miss this round's tokens
         elif not plain and run.stale:
-            self.drafter.prefill(run.state, self.tree)  # may reallocate its state: recapture its graphs
-            run.dropped_capture_s += sum(g.capture_s for g in run.draft_graphs.values())
-            run.stale, run.draft_graphs = False, {}
+            self.drafter.prefill(run.state, self.tree)
+            run.stale = False
         fn = functools.partial(self._draft_body, run, index)
         if not (self.cuda_graphs and hasattr(self.drafter, "graph_state") and run.state.root.is_cuda):
             return fn()
-        if index not in run.draft_graphs:
-            mutated = self.drafter.graph_state() + (run.stats.tensors() if run.stats is not None else [])
-            run.draft_graphs[index] = CapturedDraft(fn, mutated)
-        return run.draft_graphs[index]()
+        mutated = self.drafter.graph_state() + (run.stats.tensors() if run.stats is not None else [])
+        key = (index, sampling_key(run.params) if run.stats is not None else None)  # the stats it reads
+        graph = run.slot.drafts.get(key)
+        if graph is None or not graph.valid_for(mutated):
+            run.slot.drop({key: run.slot.drafts.pop(key)} if graph is not None else {})
+            graph = run.slot.drafts[key] = CapturedDraft(fn, mutated)
+        return graph()
 
     def _draft_body(self, run: Run, index: Optional[int]) -> tuple[DraftTree, Optional[Tensor], Optional[tuple]]:
         state = run.state
@@ -587,33 +484,40 @@ class SpeculativeDecoder:
         nodes at depths ``depths`` (int64 ``[B, T]``)."""
         if self.kv_update is KVUpdate.REFEED:
             pending = run.state.tokens.gather(1, self._pending_columns(run))
-            return self._forward("verify", self._refeed_tree_logits)(pending, run.pending, tokens, mask, depths)
-        return self._forward("verify", self._tree_logits)(tokens, mask, depths)
+            return self._forward(run, "refeed")(pending, run.pending, tokens, mask, depths)
+        return self._forward(run, "verify")(tokens, mask, depths)
 
     def _tail(self, run: Run, name: str, logits: Tensor, *inputs: Tensor) -> tuple[Tensor, Tensor]:
         """The round's tail (``_accept_tail`` or ``_plain_tail``): draws, stops, commit and state update.
 
-        Returns ``(emitted [B, A], kept [B])``. Under CUDA graphs it is captured on the first round of the call,
-        with every row marked inactive while the warm-up runs (so they keep nothing, commit nothing and move no
-        state), and replayed from then on; ``logits`` is then the forward graph's static output, the same tensor
-        every round.
+        Returns ``(emitted [B, A], kept [B])``. Under CUDA graphs it is captured on the slot's first round of this
+        tree size and sampling setting, with every row marked inactive while the warm-up runs (so they keep
+        nothing, commit nothing and move no state), and replayed from then on; ``logits`` is then the forward
+        graph's static output, the same tensor every round.
         """
         if not (self.cuda_graphs and logits.is_cuda):
+            if self._compiled is not None:  # one compile for every layout the tree's tensors come in
+                inputs = tuple(t.contiguous() for t in inputs)
             return self._tail_body(name, run, logits, *inputs)
-        key = (name, logits.shape[1])  # one per tree size: each verify graph has its own static logits
-        if key not in run.tails:
-            gens = [g for g in (run.noise_generator,) if g is not None]
-            run.tails[key] = CapturedCall(functools.partial(self._tail_body, name, run, logits), generators=gens)
+        p, gens = run.params, tuple(g for g in (run.noise_generator,) if g is not None)
+        # what the captured code bakes in: the tree size (each verify graph has its own static logits), the
+        # sampling filters, whether the draws are seeded (the seed itself is data) or from a generator
+        key = (name, logits.shape[1], p.greedy or (p.temperature, p.top_k, p.top_p, p.seed is not None), bool(gens))
+        tail = run.slot.tails.get(key)
+        if tail is None or tail.generators != gens:  # another generator object: its state is not the graph's
+            run.slot.drop({key: run.slot.tails.pop(key)} if tail is not None else {})
+            tail = run.slot.tails[key] = CapturedCall(functools.partial(self._tail_body, name, run, logits),
+                                                      generators=gens)
             active = run.state.active.clone()
             run.state.active.zero_()
-            run.tails[key].capture(*inputs)
+            tail.capture(*inputs)
             run.state.active.copy_(active)
-        return run.tails[key](*inputs)
+        return tail(*inputs)
 
     def _tail_body(self, name: str, run: Run, logits: Tensor, *inputs: Tensor) -> tuple[Tensor, Tensor]:
         state, generator = run.state, run.noise_generator
         fns = self._tail_fns if generator is None else TAIL  # torch.compile cannot take a torch.Generator
-        remaining = run.max_new - run.generated
+        remaining = run.slot.max_new - run.generated
         # the seed travels as data (run.seed), so the tail's compiled graph serves every seed
         params = run.params if run.params.seed is None else dataclasses.replace(run.params, seed=0)
         emitted, kept, finished, accept_index, accept_len = fns[name](
@@ -625,7 +529,7 @@ class SpeculativeDecoder:
             self._commit(run, accept_index, kept)
         fns["advance"](state.tokens, state.root, state.seqlens, run.generated, state.active, emitted, kept, finished)
         if run.report is not None:
-            _write_report(run)
+            write_report(run)
         return emitted, kept
 
     def _commit(self, run: Run, accept_index: Tensor, kept: Tensor) -> None:
@@ -655,26 +559,25 @@ class SpeculativeDecoder:
 
     # -- target forwards (the capturable parts) -------------------------------------------------------------------
 
-    def _decode_logits(self, root: Tensor) -> Tensor:
+    def _decode_logits(self, cache: StaticKVCache, root: Tensor) -> Tensor:
         with self._numerics():
-            hidden = forward_extend(self.target, self._cache, root, invariant=self._invariant is not None)
+            hidden = forward_extend(self.target, cache, root, invariant=self._invariant is not None)
             return lm_logits(self.target, hidden)
 
-    def _tree_logits(self, tokens: Tensor, mask: Tensor, depths: Tensor) -> Tensor:
-        positions = tree_positions(self._cache.seqlens, depths)
+    def _tree_logits(self, cache: StaticKVCache, tokens: Tensor, mask: Tensor, depths: Tensor) -> Tensor:
+        positions = tree_positions(cache.seqlens, depths)
         with self._numerics():
-            hidden = forward_tree(self.target, self._cache, tokens, positions, mask,
-                                  invariant=self._invariant is not None)
+            hidden = forward_tree(self.target, cache, tokens, positions, mask, invariant=self._invariant is not None)
             return lm_logits(self.target, hidden)
 
     def _numerics(self) -> contextlib.AbstractContextManager:
         """The target's invariant linears and norms for one forward (Numerics.INVARIANT), else nothing."""
         return self._invariant.active() if self._invariant is not None else contextlib.nullcontext()
 
-    def _refeed_tree_logits(self, pending: Tensor, pending_len: Tensor, tokens: Tensor, mask: Tensor,
-                            depths: Tensor) -> Tensor:
+    def _refeed_tree_logits(self, cache: StaticKVCache, pending: Tensor, pending_len: Tensor, tokens: Tensor,
+                            mask: Tensor, depths: Tensor) -> Tensor:
         """REFEED verify: ``[pending path (R slots) | tree]`` over the rows every layer holds; tree logits only."""
-        cache, R = self._cache, pending.shape[1]
+        R = pending.shape[1]
         held = cache.seqlens - pending_len.to(torch.int32)  # rows valid in every layer
         ids = torch.cat([pending, tokens], dim=1)
         positions = torch.cat([held.to(torch.int64)[:, None] + torch.arange(R, device=ids.device),
@@ -683,61 +586,48 @@ class SpeculativeDecoder:
         hidden = forward_tree(self.target, cache, ids, positions, full_mask, seqlens=held)
         return lm_logits(self.target, hidden[:, R:])
 
-    def _forward(self, name: str, fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
-        """``fn`` itself, or its CUDA graph (captured once per decoder and input shapes) under ``cuda_graphs``."""
-        if not self.cuda_graphs or self._cache.kv.device.type != "cuda":
-            return fn
-        if name not in self._graphs:
-            self._graphs[name] = CapturedCall(fn)
-        return self._graphs[name]
+    def _forward(self, run: Run, name: str) -> Callable[..., Tensor]:
+        """The target forward ``name`` (decode / verify / refeed) on the run's cache, or its CUDA graph (captured
+        once per slot and input shapes) under ``cuda_graphs``."""
+        fn = {"decode": self._decode_logits, "verify": self._tree_logits, "refeed": self._refeed_tree_logits}[name]
+        if not self.cuda_graphs or run.slot.cache.kv.device.type != "cuda":
+            return functools.partial(fn, run.slot.cache)
+        if name not in run.slot.forwards:
+            run.slot.forwards[name] = CapturedCall(functools.partial(fn, run.slot.cache))
+        return run.slot.forwards[name]
 
-    def _cache_for(self, batch: int, rows: int) -> StaticKVCache:
-        """Reuse the cache when it fits (CUDA graphs captured on it stay valid); otherwise allocate a new one."""
+    def _slot_for(self, batch: int, rows: int, pin: bool = False) -> Slot:
+        """The slot of this batch size, reused when its cache fits ``rows`` (its graphs and compiled code stay
+        valid); otherwise a new one. Slots made by :meth:`warmup` (``pin``) are kept; of the others only the
+        last is."""
         if self.max_cache_len is not None and rows > self.max_cache_len:
             raise ValueError(f"the request needs {rows} cache rows (prompt + max_new_tokens + scratch rows for one "
                              f"verify step), more than max_cache_len={self.max_cache_len}")
         dtype, device = self.target.dtype, self.target.get_output_embeddings().weight.device
-        cache = self._cache
-        if cache is None or cache.batch_size != batch or cache.max_len < rows or cache.kv.dtype != dtype:
+        slot = self._slots.get(batch)
+        if slot is None or slot.cache.max_len < rows or slot.cache.kv.dtype != dtype:
+            pinned = pin or (slot is not None and slot.pinned)
+            if slot is not None and slot.pinned and not pin:
+                warnings.warn(f"a request of batch {batch} needs {rows} cache rows, more than warmup() prepared "
+                              f"({slot.cache.max_len}): the cache is reallocated and its graphs captured again "
+                              f"(warm up with a larger max_context)", stacklevel=3)
+            if not pinned:  # one slot for the batch sizes nobody warmed up
+                self._slots = {b: s for b, s in self._slots.items() if s.pinned}
             rows = -(-rows // 256) * 256  # round up so later requests can reuse it
             if self.max_cache_len is not None:
                 rows = min(rows, self.max_cache_len)
-            cache = StaticKVCache.from_config(self.target.config, batch, rows, dtype, device, tp=self.tp)
-            self._cache, self._graphs = cache, {}
-        cache.seqlens.zero_()
-        return cache
+            report = 2 * batch + 2 * len(self.budget.options) if self.budget is not None else 0
+            vocab = self.target.get_output_embeddings().weight.shape[0]
+            slot = Slot.allocate(self.target.config, batch, rows, self.tree.depth, vocab, report, dtype, device,
+                                 tp=self.tp)
+            slot.pinned = pinned
+            # a later, longer request needs a wider buffer: one dynamic dimension, not one compile per width
+            torch._dynamo.maybe_mark_dynamic(slot.tokens, 1)
+            self._slots[batch] = slot
+        slot.pinned = slot.pinned or pin
+        slot.cache.seqlens.zero_()
+        self._last = slot
+        return slot
 
 
-# -- helpers --------------------------------------------------------------------------------------------------------
-
-
-def _check_numerics(numerics: Numerics, kv_update: KVUpdate, tp) -> None:
-    if not isinstance(numerics, Numerics):
-        raise TypeError(f"numerics must be a Numerics (Numerics.FAST or Numerics.INVARIANT), got {numerics!r}")
-    if numerics is Numerics.INVARIANT and kv_update is not KVUpdate.COMMIT:
-        raise ValueError("Numerics.INVARIANT needs kv_update=KVUpdate.COMMIT: a re-fed path is attended as new "
-                         "tokens, not as the committed rows plain decoding reads")
-    if numerics is Numerics.INVARIANT and tp is not None:
-        raise ValueError("Numerics.INVARIANT does not support a tensor-parallel target (its sharded linears and "
-                         "all-reduces are not batch-invariant)")
-
-
-def _write_report(run: Run) -> None:
-    """What the next sync reads under a budget, in one float32 tensor: ``[active (B), seqlens (B), realised (K),
-    seen (K)]`` (written by the round's tail, inside its graph)."""
-    state, stats = run.state, run.stats
-    torch.cat([state.active.float(), state.seqlens.float(), stats.realised, stats.seen.float()], out=run.report)
-
-
-def _check_drafter(target: torch.nn.Module, drafter: Optional[Drafter], kv_update: KVUpdate) -> None:
-    if drafter is not None and not isinstance(drafter, Drafter):
-        raise TypeError(f"drafter must implement the Drafter protocol (prefill, propose), got {type(drafter).__name__}")
-    draft_vocab = getattr(drafter, "vocab_size", None)
-    target_vocab = target.get_output_embeddings().out_features
-    if draft_vocab is not None and draft_vocab != target_vocab:
-        raise ValueError(f"the drafter's vocabulary ({draft_vocab}) differs from the target's ({target_vocab})")
-    if not isinstance(kv_update, KVUpdate):
-        raise TypeError(f"kv_update must be a KVUpdate, got {kv_update!r}")
-    if kv_update is KVUpdate.REFEED and getattr(drafter, "reads_all_target_layers", True) and drafter is not None:
-        raise ValueError(f"KVUpdate.REFEED keeps only the target's last layer current between rounds, but "
-                         f"{type(drafter).__name__} reads every layer (reads_all_target_layers); use KVUpdate.COMMIT")
+__all__ = ["GenerateOutput", "KVUpdate", "Numerics", "SpeculativeDecoder"]

@@ -88,6 +88,11 @@ class CapturedCall(Generic[T]):
             self._graphs[key] = (graph, static, out)
             self.capture_s += seconds
 
+    @property
+    def count(self) -> int:
+        """Graphs captured (one per input signature)."""
+        return len(self._graphs)
+
     def __call__(self, *inputs: Tensor) -> T:
         self.capture(*inputs)
         graph, static, out = self._graphs[_signature(inputs)]
@@ -104,11 +109,15 @@ class CapturedDraft(Generic[T]):
     ``fn()`` must read the call's ``DecodeState`` tensors and the drafter's state in place (both persistent within
     a ``generate`` call), so the graph is valid for one call. The warm-up runs' writes are undone by restoring
     ``mutated`` (``drafter.graph_state()`` plus anything else ``fn`` writes) from a snapshot before each of them and
-    before the capture.
+    before the capture. :meth:`valid_for` says whether the graph still addresses a given list of such tensors
+    (a drafter that reallocated its state needs a new graph).
     """
+
+    count = 1
 
     def __init__(self, fn: Callable[[], T], mutated: Sequence[Tensor]) -> None:
         mutated = list(mutated)
+        self._addresses = _addresses(mutated)
         snapshot = [t.clone() for t in mutated]
 
         def restore() -> None:
@@ -117,9 +126,17 @@ class CapturedDraft(Generic[T]):
 
         (self.graph, self.out), self.capture_s = _timed(lambda: capture(fn, reset=restore))
 
+    def valid_for(self, mutated: Sequence[Tensor]) -> bool:
+        """Whether ``mutated`` are the tensors (same storage, shape and dtype) the graph was captured on."""
+        return _addresses(mutated) == self._addresses
+
     def __call__(self) -> T:
         self.graph.replay()
         return self.out
+
+
+def _addresses(tensors: Sequence[Tensor]) -> tuple:
+    return tuple((t.data_ptr(), tuple(t.shape), t.dtype) for t in tensors)
 
 
 def _timed(fn: Callable[[], T]) -> tuple[T, float]:

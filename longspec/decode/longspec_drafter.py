@@ -123,8 +123,9 @@ class LongSpecDrafter:
 
     def __init__(self, draft: LongSpecDraft) -> None:
         self.draft = draft
-        self.cache: Optional[LongSpecDraftCache] = None
-        self._tree: Optional[TreeSpec] = None  # the tree the cache was allocated for
+        self.cache: Optional[LongSpecDraftCache] = None  # the current batch size's
+        self._caches: dict[int, LongSpecDraftCache] = {}  # batch size -> its cache (graphs captured on it stay valid)
+        self._tree: Optional[TreeSpec] = None  # the tree the caches were allocated for
 
     @property
     def vocab_size(self) -> int:
@@ -132,8 +133,9 @@ class LongSpecDrafter:
         return self.draft.vocab_size
 
     def nbytes(self) -> int:
-        """Device bytes the drafter holds (its cache; independent of the context length); 0 before prefill."""
-        return self.cache.nbytes() if self.cache is not None else 0
+        """Device bytes the drafter holds (its caches, one per batch size; independent of the context length); 0
+        before prefill."""
+        return sum(c.nbytes() for c in self._caches.values())
 
     def graph_state(self) -> list[Tensor]:
         """Every tensor ``propose`` mutates (the cache), so the engine can capture ``propose`` as a CUDA graph."""
@@ -145,14 +147,18 @@ class LongSpecDrafter:
 
     @torch.no_grad()
     def prefill(self, state: DecodeState, tree: TreeSpec) -> None:
-        """Check the target, allocate the caches (kept when the batch and tree are unchanged, so captured graphs of
-        ``propose`` stay valid) and fill the ring with each row's last W prompt tokens' K/V."""
+        """Check the target, pick this batch size's cache (allocated once per batch size and tree, so captured
+        graphs of ``propose`` stay valid across calls) and fill the ring with each row's last W prompt tokens'
+        K/V."""
         self._check(state, tree)
         self.draft.pack_for_drafting()  # eager, before any capture: one GEMM for q/k/v and one for gate/up
         B = state.tokens.shape[0]
-        if self.cache is None or self._tree != tree or self.cache.ring_k.shape[0] != B:
-            self.cache = LongSpecDraftCache.allocate(self.draft, B, tree, state.tokens.device)
-            self._tree = tree
+        if self._tree != tree:
+            self._caches, self._tree = {}, tree
+        cache = self._caches.get(B)
+        if cache is None or cache.ring_k.device != state.tokens.device or cache.ring_k.dtype != self.draft.dtype:
+            cache = self._caches[B] = LongSpecDraftCache.allocate(self.draft, B, tree, state.tokens.device)
+        self.cache = cache
         W = self.draft.config.window
         P = state.seqlens.to(torch.int64)
         if W > 0:

@@ -133,8 +133,11 @@ def gumbel_noise(seed: int | NoiseKey, rows: Tensor, positions: Tensor, vocab_si
     return -torch.log(-torch.log(u))
 
 
-def _generator_gumbel(shape: torch.Size, device: torch.device, generator: Optional[torch.Generator]) -> Tensor:
-    u = torch.rand(shape, device=device, generator=generator).clamp_(min=torch.finfo(torch.float32).tiny)
+def _generator_gumbel(like: Tensor, generator: Optional[torch.Generator]) -> Tensor:
+    # rand_like draws what rand would from the default generator; it also traces under a dynamic batch, where
+    # torch.rand(symbolic shape, generator=None) fails in torch.compile ("expected to contain only concrete integers")
+    u = torch.rand_like(like) if generator is None else torch.rand(like.shape, device=like.device, generator=generator)
+    u = u.clamp_(min=torch.finfo(torch.float32).tiny)
     return -torch.log(-torch.log(u))
 
 
@@ -165,7 +168,7 @@ def sample_tokens(
         return logits.argmax(dim=-1)
     logp = process_logits(logits, params)
     if params.seed is None:
-        return (logp + _generator_gumbel(logp.shape, logp.device, generator)).argmax(dim=-1)
+        return (logp + _generator_gumbel(logp, generator)).argmax(dim=-1)
     if rows is None:
         rows = torch.arange(logits.shape[0], device=logits.device)
     noise = gumbel_noise(params.seed if seed is None else seed, rows, positions, logits.shape[-1])

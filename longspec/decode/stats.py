@@ -20,7 +20,8 @@ class DecodeStats:
     ``SpeculativeDecoder(..., phase_times=True)`` the rounds' device time is also split into ``time_draft``,
     ``time_verify`` (the target forward) and ``time_accept`` (the tail), by CUDA events on a GPU (read once at the
     end); otherwise those are None. ``time_capture`` is the part of ``time_decode`` spent capturing CUDA graphs
-    (the call's draft and tail graphs, and any forward graph the decoder did not hold yet; 0 without graphs):
+    (every graph the decoder did not hold yet for this batch size; 0 without graphs, and 0 after a
+    :meth:`~longspec.decode.decoder.SpeculativeDecoder.warmup` that covered the call), ``captures`` their number:
     ``time_decode - time_capture`` is the steady decoding time. Reporting, not a benchmark.
 
     Per round (speculative decoding): ``nodes_per_round`` (the verified tree's size: constant for a fixed tree,
@@ -36,6 +37,7 @@ class DecodeStats:
     time_prefill: float = 0.0
     time_decode: float = 0.0
     time_capture: float = 0.0
+    captures: int = 0
     time_draft: Optional[float] = None
     time_verify: Optional[float] = None
     time_accept: Optional[float] = None
@@ -109,13 +111,14 @@ def accept_lengths(history: list[Tensor], batch: int) -> list[list[int]]:
 
 def collect_stats(history: list[Tensor], generated: Tensor, timer: PhaseTimer, prefill_s: float,
                   decode_s: float, nodes: Sequence[int] = (), predicted: Sequence[Tensor] = (),
-                  capture_s: float = 0.0, options: Sequence[str] = ()) -> DecodeStats:
+                  capture_s: float = 0.0, options: Sequence[str] = (), captures: int = 0) -> DecodeStats:
     emitted = torch.stack(history).cpu() if history else torch.zeros(0, 1, dtype=torch.int64)
     active_pairs = int((emitted > 0).sum())
     per_round = (emitted.sum(dim=1) / (emitted > 0).sum(dim=1).clamp(min=1)).tolist()
     stats = DecodeStats(rounds=len(history), generated_tokens=int(generated.sum()),
                         tau=float(emitted.sum()) / active_pairs if active_pairs else 0.0,
                         time_prefill=prefill_s, time_decode=decode_s, time_capture=capture_s,
+                        captures=captures,
                         nodes_per_round=list(nodes),
                         realised_tau=per_round if nodes else [],
                         predicted_tau=torch.stack(list(predicted)).tolist() if predicted else [],

@@ -43,7 +43,8 @@ class StreamingSelfDrafter:
             raise ValueError("sink + window must be at least 1")
         self.sink = sink
         self.window = window
-        self._view: Optional[StaticKVCache] = None
+        self._view: Optional[StaticKVCache] = None  # the current batch size's
+        self._views: dict[int, StaticKVCache] = {}  # batch size -> its view (graphs captured on it stay valid)
 
     def graph_state(self) -> list[Tensor]:
         """The view ``propose`` rewrites, so the engine can capture ``propose`` as a CUDA graph."""
@@ -53,17 +54,18 @@ class StreamingSelfDrafter:
 
     def nbytes(self) -> int:
         """Device bytes the drafter holds (its sink + window view of every layer); 0 before prefill."""
-        return self._view.kv.nbytes + self._view.seqlens.nbytes if self._view is not None else 0
+        return sum(v.kv.nbytes + v.seqlens.nbytes for v in self._views.values())
 
     def prefill(self, state: DecodeState, tree: TreeSpec) -> None:
-        """Allocate the view: ``sink + window`` gathered rows plus one scratch row per tree node, every layer (kept
-        when it already fits, so captured graphs of ``propose`` stay valid)."""
+        """Allocate the view: ``sink + window`` gathered rows plus one scratch row per tree node, every layer (one
+        per batch size, kept while it fits, so captured graphs of ``propose`` stay valid across calls)."""
         L, _, B, _, H, D = state.cache.kv.shape
         rows = self.sink + self.window + tree.num_nodes
-        view = self._view
+        view = self._views.get(B)
         if (view is None or view.kv.shape != (L, 2, B, rows, H, D) or view.kv.dtype != state.cache.kv.dtype
                 or view.kv.device != state.cache.kv.device):
-            self._view = StaticKVCache(L, B, rows, H, D, state.cache.kv.dtype, state.cache.kv.device)
+            view = self._views[B] = StaticKVCache(L, B, rows, H, D, state.cache.kv.dtype, state.cache.kv.device)
+        self._view = view
 
     def propose(self, state: DecodeState, tree: TreeSpec) -> DraftTree:
         if self._view is None or self._view.batch_size != state.cache.batch_size:
