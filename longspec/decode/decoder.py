@@ -301,7 +301,7 @@ class SpeculativeDecoder:
         cache.seqlens.copy_(lens.to(torch.int32))
         slot.root.copy_(root)
         slot.tokens.scatter_(1, lens[:, None], root[:, None])
-        slot.active.copy_(~torch.isin(root, eos) & (max_new > 1))
+        slot.active.copy_(~(root[:, None] == eos).any(dim=-1) & (max_new > 1))
         slot.generated.fill_(1)
         slot.pending.zero_()
         slot.max_new.fill_(max_new)

@@ -30,7 +30,9 @@ def stop_lengths(
     A = emitted.shape[1]
     kept = torch.minimum(counts, remaining)
     col = torch.arange(A, device=emitted.device)[None, :]
-    is_eos = torch.isin(emitted, eos) & (col < kept[:, None])
+    # a broadcast compare, not torch.isin: isin's sort-based path (more than a few stop ids, such as a slot's
+    # padded buffer) synchronises, which a CUDA-graph capture cannot take
+    is_eos = (emitted[:, :, None] == eos).any(dim=-1) & (col < kept[:, None])
     hit = is_eos.any(dim=1)
     kept = torch.where(hit, is_eos.to(torch.int8).argmax(dim=1) + 1, kept)
     kept = torch.where(active, kept, 0)
