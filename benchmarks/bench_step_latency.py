@@ -127,7 +127,7 @@ def round_times(dec, context: int, iters: int, option=None) -> dict:
     with dec.rounds():
         t0 = time.perf_counter()
         dec.step(run, option=option)
-        wait(dec._read(run))
+        wait(run.read())
         first = time.perf_counter() - t0
         dec.step(run, option=option)
         timer = PhaseTimer(run.state.root.device, enabled=True)
@@ -139,7 +139,7 @@ def round_times(dec, context: int, iters: int, option=None) -> dict:
         pending = None
         for _ in range(iters):  # as generate runs rounds: round k + 1 is enqueued before the host waits for round k
             dec.step(run, option=option)
-            after = dec._read(run)
+            after = run.read()
             if pending is not None:
                 wait(pending)
             pending = after

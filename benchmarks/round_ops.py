@@ -104,10 +104,10 @@ def count_round(dec: SpeculativeDecoder, context: int, option, rounds: int = 3) 
     counter = OpCounter()
     with dec.rounds():
         dec.step(run, option=option)
-        dec._read(run)()
+        run.read()()
         with labelled(counter, pieces(counter)), counter:
             for _ in range(rounds):
-                dec._read(run)()
+                run.read()()
                 dec.step(run, option=option)
     return Counter({k: v / rounds for k, v in counter.counts.items()})
 

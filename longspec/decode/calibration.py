@@ -2,11 +2,15 @@
 ``a + b * context`` (:class:`~longspec.decode.budget.CostModel`), cached on disk per device and decoder."""
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
-from .budget import CostModel, fit_line, sampling_key, tail_label
+from longspec.model.target import use_longspec_attention
+
+from .acceptance import sampling_key
+from .costs import CostModel, fit_line, tail_label
 from .sampling import SamplingParams
 from .stats import PhaseTimer
 
@@ -28,7 +32,7 @@ def _calibrate(decoder: "SpeculativeDecoder", batch: int, contexts: Sequence[int
                params: Optional[SamplingParams]) -> CostModel:
     budget = decoder.budget
     options = budget.options
-    run = decoder.synthetic_run(max(contexts), batch, rounds=2, params=params)
+    run = synthetic_run(decoder, max(contexts), batch, rounds=2, params=params)
     # The rounds run on the budget's own statistics of these sampling settings, so that the draft graphs they
     # capture are the ones generate replays; every row is inactive (a round then records nothing and moves no
     # state, at the same kernels and shapes), and the statistics are restored afterwards.
@@ -58,6 +62,25 @@ def _calibrate(decoder: "SpeculativeDecoder", batch: int, contexts: Sequence[int
                      {tail: table} if tail else {})
 
 
+def synthetic_run(decoder: "SpeculativeDecoder", context: int, batch: int = 1, rounds: int = 64, seed: int = 0,
+                  params: Optional[SamplingParams] = None, as_given: bool = False):
+    """See :meth:`SpeculativeDecoder.synthetic_run`."""
+    device = decoder.target.get_output_embeddings().weight.device
+    max_new = rounds * (decoder.tree.depth + 1) + 1
+    vocab = decoder.target.get_output_embeddings().weight.shape[0]
+    params = SamplingParams() if params is None else params
+    if not params.greedy and params.seed is None and not as_given:
+        params = dataclasses.replace(params, seed=seed)
+    with torch.inference_mode(), use_longspec_attention(decoder.target):  # the slot may hold inference tensors
+        slot = decoder._slots.get(batch, context + max_new + decoder._scratch_rows())
+        gen = torch.Generator(device=device).manual_seed(seed)
+        slot.cache.kv.normal_(generator=gen)
+        slot.tokens.random_(0, vocab, generator=gen)
+        lens = torch.full((batch,), context, dtype=torch.int64, device=device)
+        no_stop = torch.zeros(0, dtype=torch.int64, device=device)
+        return decoder._begin(slot, lens, slot.tokens[:, context].clone(), params, no_stop, max_new, None)
+
+
 def ensure_costs(decoder: "SpeculativeDecoder", batch: int, extent: int, params: SamplingParams) -> bool:
     """Make sure the budget has costs for this batch and sampling: given, cached on disk, or calibrated now (and
     cached) at ``extent // 4`` and ``extent`` committed rows. Returns whether it calibrated."""
@@ -76,4 +99,4 @@ def ensure_costs(decoder: "SpeculativeDecoder", batch: int, extent: int, params:
     return measured
 
 
-__all__ = ["calibrate", "ensure_costs"]
+__all__ = ["calibrate", "ensure_costs", "synthetic_run"]

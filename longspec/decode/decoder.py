@@ -27,10 +27,7 @@ equals plain decoding's token for token.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import time
-import warnings
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
@@ -44,24 +41,21 @@ from longspec.model.target import (
     StaticKVCache,
     check_generation_length,
     check_supported,
-    forward_extend,
-    forward_tree,
-    lm_logits,
     use_longspec_attention,
 )
 
 from . import calibration, warmup
-from .budget import AdaptiveBudget, CostModel, root_tree, sampling_key, tail_label
-from .drafter import DecodeState, Drafter, DraftTree, TreeSpec
-from .graphs import CapturedCall, CapturedDraft
-from .modes import KVUpdate, Numerics, check_drafter, check_numerics
+from .budget import AdaptiveBudget, CostModel, sampling_key, tail_label
+from .draft_step import DraftStep
+from .drafter import DecodeState, Drafter, TreeSpec
+from .forwards import TargetForwards
+from .modes import KVUpdate, Numerics, check_drafter, check_numerics, check_settings
 from .prompt import Prompt, eos_ids, output_sequences, pad_id, prepare_prompt
+from .round_tail import RoundTail
 from .run import GenerateOutput, Run, write_report
 from .sampling import SamplingParams, sample_tokens
-from .slot import Slot
+from .slot import Slot, SlotPool
 from .stats import PhaseTimer, accept_lengths, collect_stats
-from .tail import TAIL
-from .tree import complete_tree, prefix_tree_mask, tree_positions
 
 Streamer = Callable[[Tensor, Tensor], None]
 
@@ -75,7 +69,7 @@ class SpeculativeDecoder:
         tree_shape: nodes per depth (``(4, 16, 16, 16, 16)``: 69 nodes with the root; a chain is ``(1, 1, 1, 1)``),
             or a :class:`~longspec.decode.drafter.TreeSpec` (``TreeSpec.merged(...)`` for a
             :class:`~longspec.decode.merge.MergedDrafter`).
-        cuda_graphs: replay every round from CUDA graphs (CUDA only): the target's decode / verify forwards
+        cuda_graphs: replay every round from CUDA graphs (CUDA only): the target's decode / verify forwards,
             the drafter's ``propose`` when it offers ``graph_state()`` (all three built-in drafters do) and the
             round's tail: each captured on its first round of a batch size and kept across calls (:meth:`warmup`
             captures them up front).
@@ -101,10 +95,9 @@ class SpeculativeDecoder:
     under ``torchrun``) is decoded the same way on every rank: each rank's cache holds its KV heads only, every
     rank calls ``generate`` with the same arguments and gets the same output.
 
-    The decoder keeps its KV cache and round state between ``generate`` calls, one
-    :class:`~longspec.decode.slot.Slot` per batch size warmed up (and one more for the last other batch size), reused
-    while big enough so that captured CUDA graphs and compiled code stay valid; one decoder serves one call at a
-    time.
+    The decoder keeps its KV cache and round state between calls (:class:`~longspec.decode.slot.SlotPool`: one
+    slot per batch size warmed up, one for the last other), so graphs and compiled code stay valid; one decoder
+    serves one call at a time.
 
     Example::
 
@@ -134,33 +127,29 @@ class SpeculativeDecoder:
         check_drafter(target, drafter, kv_update)
         check_numerics(numerics, kv_update, self.tp)
         self.numerics = numerics
-        self._invariant = InvariantTarget(target) if numerics is Numerics.INVARIANT else None
-        if not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1:
-            raise ValueError(f"prefill_chunk_size must be an int >= 1, got {prefill_chunk_size!r}")
+        check_settings(prefill_chunk_size, budget, drafter)
         self.target = target
         self.kv_update = kv_update
         self.drafter = drafter
         self.tree = tree_shape if isinstance(tree_shape, TreeSpec) else TreeSpec(tuple(tree_shape))
-        if budget is not None and not isinstance(budget, AdaptiveBudget):
-            raise TypeError(f"budget must be an AdaptiveBudget or None, got {type(budget).__name__}")
-        if budget is not None and drafter is None:
-            raise ValueError("budget needs a drafter (plain decoding has no tree to budget)")
         if budget is not None:
             budget.bind(self.tree)
         self.budget = budget
         self.cuda_graphs = bool(cuda_graphs)
         self.prefill_chunk_size = prefill_chunk_size
         self.max_cache_len = max_cache_len
-        self._slots: dict[int, Slot] = {}  # batch size -> its persistent state and graphs
-        self._last: Optional[Slot] = None  # the slot of the last call
         self.phase_times = bool(phase_times)
+        invariant = InvariantTarget(target) if numerics is Numerics.INVARIANT else None
+        self._forwards = TargetForwards(target, invariant, self.cuda_graphs, prefill_chunk_size)
+        # batch size -> its persistent state and graphs
+        self._slots = SlotPool(target, self.tree.depth, 2 * len(budget.options) if budget is not None else 0,
+                               max_cache_len, self.tp)
         self._compiled = CompiledTarget(target) if compile else None
         self._propose_fn = drafter.propose if drafter is not None else None
-        self._tail_fns = TAIL
-        if compile:
-            if getattr(drafter, "compilable", False):
-                self._propose_fn = torch.compile(drafter.propose, fullgraph=True)
-            self._tail_fns = {name: torch.compile(fn, fullgraph=True) for name, fn in TAIL.items()}
+        if compile and getattr(drafter, "compilable", False):
+            self._propose_fn = torch.compile(drafter.propose, fullgraph=True)
+        self._tail = RoundTail(self.tree, kv_update, self.cuda_graphs, compile)
+        self._draft_step = DraftStep(drafter, self.tree, budget, self._propose_fn, self.cuda_graphs)
 
     # -- public ---------------------------------------------------------------------------------------------------
 
@@ -231,26 +220,10 @@ class SpeculativeDecoder:
 
     def synthetic_run(self, context: int, batch: int = 1, rounds: int = 64, seed: int = 0,
                       params: Optional[SamplingParams] = None, as_given: bool = False) -> Run:
-        """A run over ``context`` committed rows of random K/V and random tokens, with no prefill, room for
-        ``rounds`` more rounds and no stop: what the step benchmarks time (a round's cost depends on the committed
-        length, the shapes and the sampling settings, not on the values). Greedy unless ``params``; unseeded
-        sampling runs seeded here (its draws come from a counter instead of a ``torch.Generator``: the same filters
-        and about the same work) unless ``as_given`` (then from the default generator). Drive it with
-        :meth:`step`."""
-        device = self.target.get_output_embeddings().weight.device
-        max_new = rounds * (self.tree.depth + 1) + 1
-        vocab = self.target.get_output_embeddings().weight.shape[0]
-        params = SamplingParams() if params is None else params
-        if not params.greedy and params.seed is None and not as_given:
-            params = dataclasses.replace(params, seed=seed)
-        with torch.inference_mode(), use_longspec_attention(self.target):  # the slot may hold inference tensors
-            slot = self._slot_for(batch, context + max_new + self._scratch_rows())
-            gen = torch.Generator(device=device).manual_seed(seed)
-            slot.cache.kv.normal_(generator=gen)
-            slot.tokens.random_(0, vocab, generator=gen)
-            lens = torch.full((batch,), context, dtype=torch.int64, device=device)
-            no_stop = torch.zeros(0, dtype=torch.int64, device=device)
-            return self._begin(slot, lens, slot.tokens[:, context].clone(), params, no_stop, max_new, None)
+        """A run over ``context`` committed rows of random K/V and tokens, no prefill, room for ``rounds`` rounds, no
+        stop: what the step benchmarks time. Greedy unless ``params``; unseeded sampling runs seeded (a counter,
+        about the same work) unless ``as_given``. Drive it with :meth:`step`."""
+        return calibration.synthetic_run(self, context, batch, rounds, seed, params, as_given)
 
     @contextlib.contextmanager
     def rounds(self) -> Iterator[None]:
@@ -268,17 +241,14 @@ class SpeculativeDecoder:
     def calibrate(self, batch: int, contexts: Sequence[int], reps: int = 3,
                   params: Optional[SamplingParams] = None) -> CostModel:
         """Measure the adaptive budget's costs on this device: every option's round at each committed length in
-        ``contexts`` (a synthetic run, as :meth:`synthetic_run`, greedy or with the sampling ``params``), split by
-        phase into draft (per draft variant) and verify + tail (per node count: the model's ``verify`` table, or
-        its ``sampled`` one under :func:`~longspec.decode.budget.tail_label` of sampled ``params``); each fitted as
-        ``a + b * context``. Runs outside ``generate``; the graphs it captures serve later calls
-        (:mod:`~longspec.decode.calibration`)."""
+        ``contexts`` on a synthetic run (greedy or the sampling ``params``), split into draft and verify + tail,
+        each fitted as ``a + b * context`` (:mod:`~longspec.decode.calibration`)."""
         return calibration.calibrate(self, batch, contexts, reps, params)
 
     @property
     def _cache(self) -> Optional[StaticKVCache]:
         """The last call's KV cache (tests and benchmarks read its geometry)."""
-        return self._last.cache if self._last is not None else None
+        return self._slots.last.cache if self._slots.last is not None else None
 
     # -- phases ---------------------------------------------------------------------------------------------------
 
@@ -286,29 +256,19 @@ class SpeculativeDecoder:
                generator: Optional[torch.Generator]) -> Run:
         """Copy the request into its slot, prefill, sample the first token and let the drafter prefill."""
         B, S = prompt.tokens.shape
-        slot = self._slot_for(B, prompt.max_len + max_new + self._scratch_rows())
+        slot = self._slots.get(B, prompt.max_len + max_new + self._scratch_rows())
         slot.tokens.zero_()
         slot.tokens[:, :S] = prompt.tokens
-        logits = self._prefill_logits(slot.cache, prompt)
+        logits = self._forwards.prefill(slot.cache, prompt)
         root = sample_tokens(logits, params, prompt.lens[:, None], generator)[:, 0]
         return self._begin(slot, prompt.lens, root, params, eos, max_new, generator)
 
     def _begin(self, slot: Slot, lens: Tensor, root: Tensor, params: SamplingParams, eos: Tensor, max_new: int,
                generator: Optional[torch.Generator]) -> Run:
         """The run after the prefill: ``lens`` committed rows per row, ``root`` pending; the drafter prefills."""
-        cache = slot.cache
-        self.tree.depth_tensor(cache.kv.device)  # made here, outside any graph capture
-        cache.seqlens.copy_(lens.to(torch.int32))
-        slot.root.copy_(root)
-        slot.tokens.scatter_(1, lens[:, None], root[:, None])
-        slot.active.copy_(~(root[:, None] == eos).any(dim=-1) & (max_new > 1))
-        slot.generated.fill_(1)
-        slot.pending.zero_()
-        slot.max_new.fill_(max_new)
-        slot.set_eos(eos)
-        if params.seed is not None:
-            slot.set_seed(params.seed)
-        state = DecodeState(self.target, cache, slot.tokens, slot.root, slot.active, max_depth=self.tree.depth)
+        self.tree.depth_tensor(slot.cache.kv.device)  # made here, outside any graph capture
+        slot.begin(lens, root, eos, max_new, params.seed)
+        state = DecodeState(self.target, slot.cache, slot.tokens, slot.root, slot.active, max_depth=self.tree.depth)
         run = Run(slot, state, params, max_new, generator)
         if self.budget is not None:
             run.stats = self.budget.stats_for(sampling_key(params), root.device)
@@ -320,21 +280,6 @@ class SpeculativeDecoder:
     def _compiled_layers(self) -> contextlib.AbstractContextManager:
         return self._compiled.active() if self._compiled is not None else contextlib.nullcontext()
 
-    def _prefill_logits(self, cache: StaticKVCache, prompt: Prompt) -> Tensor:
-        """Write the prompt's K/V chunk by chunk; float32 logits ``[B, 1, V]`` at each row's last prompt token."""
-        B, S = prompt.tokens.shape
-        last = (prompt.lens - 1)[:, None, None]
-        hidden_last = None
-        for lo in range(0, S, self.prefill_chunk_size):
-            hi = min(lo + self.prefill_chunk_size, S)
-            cache.seqlens.fill_(lo)  # rows past a short prompt's end get filler K/V, never visible later
-            hidden = forward_extend(self.target, cache, prompt.tokens[:, lo:hi])
-            idx = (last - lo).clamp(0, hi - lo - 1).expand(B, 1, hidden.shape[-1])
-            picked = hidden.gather(1, idx)
-            in_chunk = ((last[:, 0, 0] >= lo) & (last[:, 0, 0] < hi))[:, None, None]
-            hidden_last = picked if hidden_last is None else torch.where(in_chunk, picked, hidden_last)
-        return lm_logits(self.target, hidden_last)
-
     def _rounds(self, run: Run, timer: PhaseTimer, streamer: Optional[Streamer]) -> float:
         """Run rounds until no row is active; returns when the prefill ended (``perf_counter``), i.e. its first read.
 
@@ -345,52 +290,21 @@ class SpeculativeDecoder:
         moves nothing; its entries are dropped (its device time is the price of the overlap, once per call). The
         budget's choice for round k + 1 uses the statistics read after round k - 1.
         """
-        read = self._read(run)
+        read = run.read()
         alive = read()  # the first read ends the prefill
         t1 = time.perf_counter()
         if alive:
             self._round(run, timer, streamer)
-            read = self._read(run)
+            read = run.read()
         while alive:
             marks = (len(run.history), len(run.nodes), len(run.predicted), len(run.options))
             self._round(run, timer, streamer)  # round k + 1, enqueued before the read after round k is in
-            after = self._read(run)
+            after = run.read()
             alive = read()
             if not alive:
                 del run.history[marks[0]:], run.nodes[marks[1]:], run.predicted[marks[2]:], run.options[marks[3]:]
             read = after
         return t1
-
-    def _read(self, run: Run) -> Callable[[], bool]:
-        """Enqueue the round's one device-to-host read; the returned function waits for it and says whether any
-        row is still active. Under a budget the same read (of the report the round's tail wrote) brings the
-        committed length and every option's running realised tau for the next choice (into ``run``)."""
-        state, stats = run.state, run.stats
-        # under a budget: the report the round's tail wrote (write_report), so no op runs eagerly here
-        values = state.active.any()[None] if stats is None else run.report
-        event = None
-        if values.is_cuda:
-            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-            host.copy_(values, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        else:
-            host = values.clone()  # the report is rewritten by the next round's tail
-
-        def wait() -> bool:
-            if event is not None:
-                event.synchronize()
-            got = host.tolist()
-            if stats is None:
-                return bool(got[0])
-            B, K = state.root.shape[0], len(stats.realised)
-            active, lens = got[:B], got[B: 2 * B]
-            n = sum(active)
-            run.context = sum(a * c for a, c in zip(active, lens)) / max(n, 1.0)
-            run.realised, run.seen = got[2 * B: 2 * B + K], [v > 0 for v in got[2 * B + K:]]
-            return n > 0
-
-        return wait
 
     def _round(self, run: Run, timer: PhaseTimer, streamer: Optional[Streamer], option: Optional[int] = None) -> None:
         """One round on the device: [draft,] target forward, tail. No host sync (the caller reads ``active``).
@@ -407,7 +321,7 @@ class SpeculativeDecoder:
                 else:
                     run.stale = True  # it will miss this round's tokens
             with timer.phase("verify"):
-                logits = self._forward(run, "decode")(run.state.root[:, None])
+                logits = self._forwards.get(run.slot, "decode")(run.state.root[:, None])
             with timer.phase("accept"):
                 emitted, kept = self._tail(run, "plain", logits)
             if index is not None:
@@ -416,7 +330,7 @@ class SpeculativeDecoder:
                 run.predicted.append(torch.ones((), device=kept.device))
         else:
             with timer.phase("draft"):
-                draft, predicted, scoring = self._draft(run, index)
+                draft, predicted, scoring = self._draft_step(run, index)
             with timer.phase("verify"):
                 logits = self._verify_logits(run, draft.tokens, draft.mask, draft.depths)
             with timer.phase("accept"):
@@ -440,114 +354,13 @@ class SpeculativeDecoder:
         return self.budget.choose(run.context, run.state.root.shape[0], run.realised, run.seen,
                                   run.stats.exploration, tail_label(run.params))
 
-    def _draft(self, run: Run, index: Optional[int]) -> tuple[DraftTree, Optional[Tensor], Optional[tuple]]:
-        """The round's complete tree, and under a budget its option's realised tau and what the tail's
-        :meth:`~longspec.decode.budget.AcceptanceStats.record` takes besides the acceptance (the nodes' statistics
-        cells and the option scoring, from :meth:`~longspec.decode.budget.AdaptiveBudget.shape`): the drafter's
-        tree, or the budget's option ``index`` of it. Under CUDA graphs when enabled and the drafter offers
-        ``graph_state``: one graph per option (and sampling setting, under a budget) in the slot, captured on its
-        first round and recaptured only if the drafter's state moved."""
-        plain = index is not None and self.budget.options[index].spec is None
-        if plain and not hasattr(self.drafter, "observe"):
-            run.stale = True  # it will miss this round's tokens
-        elif not plain and run.stale:
-            self.drafter.prefill(run.state, self.tree)
-            run.stale = False
-        fn = functools.partial(self._draft_body, run, index)
-        if not (self.cuda_graphs and hasattr(self.drafter, "graph_state") and run.state.root.is_cuda):
-            return fn()
-        mutated = self.drafter.graph_state() + (run.stats.tensors() if run.stats is not None else [])
-        key = (index, sampling_key(run.params) if run.stats is not None else None)  # the stats it reads
-        graph = run.slot.drafts.get(key)
-        if graph is None or not graph.valid_for(mutated):
-            run.slot.drop({key: run.slot.drafts.pop(key)} if graph is not None else {})
-            graph = run.slot.drafts[key] = CapturedDraft(fn, mutated)
-        return graph()
-
-    def _draft_body(self, run: Run, index: Optional[int]) -> tuple[DraftTree, Optional[Tensor], Optional[tuple]]:
-        state = run.state
-        if index is None:
-            return complete_tree(self._propose_fn(state, self.tree), self.tree), None, None
-        spec = self.budget.options[index].spec
-        if spec is None:  # a plain round: the root alone (it scores no option); the drafter only catches up
-            if hasattr(self.drafter, "observe"):
-                self.drafter.observe(state, self.tree)
-            tree = root_tree(state.root)
-            return tree, torch.ones((), device=state.root.device), (tree.depths,
-                                                                     *run.stats.blank(state.root.shape[0], 1,
-                                                                                      state.root.device))
-        pool = complete_tree(self._propose_fn(state, spec), spec)
-        return self.budget.shape(run.stats, pool, index, state.active)
-
     def _verify_logits(self, run: Run, tokens: Tensor, mask: Tensor, depths: Tensor) -> Tensor:
         """Target logits ``[B, T, V]`` at every node of the tree ``tokens`` (int64 ``[B, T]``) under ``mask``, its
         nodes at depths ``depths`` (int64 ``[B, T]``)."""
         if self.kv_update is KVUpdate.REFEED:
-            pending = run.state.tokens.gather(1, self._pending_columns(run))
-            return self._forward(run, "refeed")(pending, run.pending, tokens, mask, depths)
-        return self._forward(run, "verify")(tokens, mask, depths)
-
-    def _tail(self, run: Run, name: str, logits: Tensor, *inputs: Tensor) -> tuple[Tensor, Tensor]:
-        """The round's tail (``_accept_tail`` or ``_plain_tail``): draws, stops, commit and state update.
-
-        Returns ``(emitted [B, A], kept [B])``. Under CUDA graphs it is captured on the slot's first round of this
-        tree size and sampling setting, with every row marked inactive while the warm-up runs (so they keep
-        nothing, commit nothing and move no state), and replayed from then on; ``logits`` is then the forward
-        graph's static output, the same tensor every round.
-        """
-        if not (self.cuda_graphs and logits.is_cuda):
-            if self._compiled is not None:  # one compile for every layout the tree's tensors come in
-                inputs = tuple(t.contiguous() for t in inputs)
-            return self._tail_body(name, run, logits, *inputs)
-        p, gens = run.params, tuple(g for g in (run.noise_generator,) if g is not None)
-        # what the captured code bakes in: the tree size (each verify graph has its own static logits), the
-        # sampling filters, whether the draws are seeded (the seed itself is data) or from a generator
-        key = (name, logits.shape[1], p.greedy or (p.temperature, p.top_k, p.top_p, p.seed is not None), bool(gens))
-        tail = run.slot.tails.get(key)
-        if tail is None or tail.generators != gens:  # another generator object: its state is not the graph's
-            run.slot.drop({key: run.slot.tails.pop(key)} if tail is not None else {})
-            tail = run.slot.tails[key] = CapturedCall(functools.partial(self._tail_body, name, run, logits),
-                                                      generators=gens)
-            active = run.state.active.clone()
-            run.state.active.zero_()
-            tail.capture(*inputs)
-            run.state.active.copy_(active)
-        return tail(*inputs)
-
-    def _tail_body(self, name: str, run: Run, logits: Tensor, *inputs: Tensor) -> tuple[Tensor, Tensor]:
-        state, generator = run.state, run.noise_generator
-        fns = self._tail_fns if generator is None else TAIL  # torch.compile cannot take a torch.Generator
-        remaining = run.slot.max_new - run.generated
-        # the seed travels as data (run.seed), so the tail's compiled graph serves every seed
-        params = run.params if run.params.seed is None else dataclasses.replace(run.params, seed=0)
-        emitted, kept, finished, accept_index, accept_len = fns[name](
-            logits, *inputs[:4], params, self.tree.depth, state.seqlens, run.eos, remaining, state.active, generator,
-            run.seed)
-        if accept_index is not None:
-            if run.stats is not None:
-                run.stats.record(*inputs[4:], accept_index, accept_len, state.active)
-            self._commit(run, accept_index, kept)
-        fns["advance"](state.tokens, state.root, state.seqlens, run.generated, state.active, emitted, kept, finished)
-        if run.report is not None:
-            write_report(run)
-        return emitted, kept
-
-    def _commit(self, run: Run, accept_index: Tensor, kept: Tensor) -> None:
-        """Compact root + accepted drafts into rows ``seqlens + [0, kept)``: every layer (COMMIT) or the last (REFEED)."""
-        cache = run.state.cache
-        if self.kv_update is KVUpdate.COMMIT:
-            torch.ops.longspec.commit_kv_(cache.planes(), cache.seqlens, accept_index.to(torch.int32), kept.to(torch.int32))
-            return
-        # the tree sat behind the R re-fed slots: node i at row (seqlens - pending) + R + i
-        shift = (self.tree.depth + 1 - run.pending)[:, None]
-        torch.ops.longspec.commit_kv_(cache.kv[-1], cache.seqlens, (accept_index + shift).to(torch.int32),
-                                kept.to(torch.int32))
-        run.pending.copy_(kept)
-
-    def _pending_columns(self, run: Run) -> Tensor:
-        """int64 ``[B, depth + 1]`` token-buffer columns of the path to re-feed (valid below ``run.pending``)."""
-        start = run.state.seqlens.to(torch.int64) - run.pending
-        return start[:, None] + torch.arange(self.tree.depth + 1, device=start.device)
+            pending = run.state.tokens.gather(1, self._tail.pending_columns(run))
+            return self._forwards.get(run.slot, "refeed")(pending, run.pending, tokens, mask, depths)
+        return self._forwards.get(run.slot, "verify")(tokens, mask, depths)
 
     def _scratch_rows(self) -> int:
         """Cache rows past the committed length that one decode / verify step writes."""
@@ -557,77 +370,6 @@ class SpeculativeDecoder:
             return self.tree.num_nodes + self.tree.depth + 1
         return self.tree.num_nodes
 
-    # -- target forwards (the capturable parts) -------------------------------------------------------------------
-
-    def _decode_logits(self, cache: StaticKVCache, root: Tensor) -> Tensor:
-        with self._numerics():
-            hidden = forward_extend(self.target, cache, root, invariant=self._invariant is not None)
-            return lm_logits(self.target, hidden)
-
-    def _tree_logits(self, cache: StaticKVCache, tokens: Tensor, mask: Tensor, depths: Tensor) -> Tensor:
-        positions = tree_positions(cache.seqlens, depths)
-        with self._numerics():
-            hidden = forward_tree(self.target, cache, tokens, positions, mask, invariant=self._invariant is not None)
-            return lm_logits(self.target, hidden)
-
-    def _numerics(self) -> contextlib.AbstractContextManager:
-        """The target's invariant linears and norms for one forward (Numerics.INVARIANT), else nothing."""
-        return self._invariant.active() if self._invariant is not None else contextlib.nullcontext()
-
-    def _refeed_tree_logits(self, cache: StaticKVCache, pending: Tensor, pending_len: Tensor, tokens: Tensor,
-                            mask: Tensor, depths: Tensor) -> Tensor:
-        """REFEED verify: ``[pending path (R slots) | tree]`` over the rows every layer holds; tree logits only."""
-        R = pending.shape[1]
-        held = cache.seqlens - pending_len.to(torch.int32)  # rows valid in every layer
-        ids = torch.cat([pending, tokens], dim=1)
-        positions = torch.cat([held.to(torch.int64)[:, None] + torch.arange(R, device=ids.device),
-                               tree_positions(cache.seqlens, depths)], dim=1)
-        full_mask = prefix_tree_mask(pending_len, R, mask)
-        hidden = forward_tree(self.target, cache, ids, positions, full_mask, seqlens=held)
-        return lm_logits(self.target, hidden[:, R:])
-
-    def _forward(self, run: Run, name: str) -> Callable[..., Tensor]:
-        """The target forward ``name`` (decode / verify / refeed) on the run's cache, or its CUDA graph (captured
-        once per slot and input shapes) under ``cuda_graphs``."""
-        fn = {"decode": self._decode_logits, "verify": self._tree_logits, "refeed": self._refeed_tree_logits}[name]
-        if not self.cuda_graphs or run.slot.cache.kv.device.type != "cuda":
-            return functools.partial(fn, run.slot.cache)
-        if name not in run.slot.forwards:
-            run.slot.forwards[name] = CapturedCall(functools.partial(fn, run.slot.cache))
-        return run.slot.forwards[name]
-
-    def _slot_for(self, batch: int, rows: int, pin: bool = False) -> Slot:
-        """The slot of this batch size, reused when its cache fits ``rows`` (its graphs and compiled code stay
-        valid); otherwise a new one. Slots made by :meth:`warmup` (``pin``) are kept; of the others only the
-        last is."""
-        if self.max_cache_len is not None and rows > self.max_cache_len:
-            raise ValueError(f"the request needs {rows} cache rows (prompt + max_new_tokens + scratch rows for one "
-                             f"verify step), more than max_cache_len={self.max_cache_len}")
-        dtype, device = self.target.dtype, self.target.get_output_embeddings().weight.device
-        slot = self._slots.get(batch)
-        if slot is None or slot.cache.max_len < rows or slot.cache.kv.dtype != dtype:
-            pinned = pin or (slot is not None and slot.pinned)
-            if slot is not None and slot.pinned and not pin:
-                warnings.warn(f"a request of batch {batch} needs {rows} cache rows, more than warmup() prepared "
-                              f"({slot.cache.max_len}): the cache is reallocated and its graphs captured again "
-                              f"(warm up with a larger max_context)", stacklevel=3)
-            if not pinned:  # one slot for the batch sizes nobody warmed up
-                self._slots = {b: s for b, s in self._slots.items() if s.pinned}
-            rows = -(-rows // 256) * 256  # round up so later requests can reuse it
-            if self.max_cache_len is not None:
-                rows = min(rows, self.max_cache_len)
-            report = 2 * batch + 2 * len(self.budget.options) if self.budget is not None else 0
-            vocab = self.target.get_output_embeddings().weight.shape[0]
-            slot = Slot.allocate(self.target.config, batch, rows, self.tree.depth, vocab, report, dtype, device,
-                                 tp=self.tp)
-            slot.pinned = pinned
-            # a later, longer request needs a wider buffer: one dynamic dimension, not one compile per width
-            torch._dynamo.maybe_mark_dynamic(slot.tokens, 1)
-            self._slots[batch] = slot
-        slot.pinned = slot.pinned or pin
-        slot.cache.seqlens.zero_()
-        self._last = slot
-        return slot
 
 
 __all__ = ["GenerateOutput", "KVUpdate", "Numerics", "SpeculativeDecoder"]

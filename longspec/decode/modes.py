@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from .budget import AdaptiveBudget
 from .drafter import Drafter
 
 
@@ -58,6 +59,15 @@ def check_numerics(numerics: Numerics, kv_update: KVUpdate, tp) -> None:
     if numerics is Numerics.INVARIANT and tp is not None:
         raise ValueError("Numerics.INVARIANT does not support a tensor-parallel target (its sharded linears and "
                          "all-reduces are not batch-invariant)")
+
+
+def check_settings(prefill_chunk_size: int, budget, drafter: Optional[Drafter]) -> None:
+    if isinstance(prefill_chunk_size, bool) or not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1:
+        raise ValueError(f"prefill_chunk_size must be an int >= 1, got {prefill_chunk_size!r}")
+    if budget is not None and not isinstance(budget, AdaptiveBudget):
+        raise TypeError(f"budget must be an AdaptiveBudget or None, got {type(budget).__name__}")
+    if budget is not None and drafter is None:
+        raise ValueError("budget needs a drafter (plain decoding has no tree to budget)")
 
 
 def check_drafter(target: torch.nn.Module, drafter: Optional[Drafter], kv_update: KVUpdate) -> None:

@@ -3,12 +3,12 @@ and :class:`GenerateOutput` (what it returns)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
-from .budget import AcceptanceStats
+from .acceptance import AcceptanceStats
 from .drafter import DecodeState
 from .sampling import NoiseKey, SamplingParams
 from .slot import Slot
@@ -77,6 +77,37 @@ class Run:
     def report(self) -> Optional[Tensor]:
         """float32 ``[2B + 2K]`` under a budget: what the sync reads (:func:`write_report`), written by the tail."""
         return self.slot.report if self.stats is not None else None
+
+    def read(self) -> Callable[[], bool]:
+        """Enqueue the round's one device-to-host read; the returned function waits for it and says whether any
+        row is still active. Under a budget the same read (of the report the round's tail wrote) brings the
+        committed length and every option's running realised tau for the next choice (into ``run``)."""
+        run, state, stats = self, self.state, self.stats
+        # under a budget: the report the round's tail wrote (write_report), so no op runs eagerly here
+        values = state.active.any()[None] if stats is None else run.report
+        event = None
+        if values.is_cuda:
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            host.copy_(values, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = values.clone()  # the report is rewritten by the next round's tail
+
+        def wait() -> bool:
+            if event is not None:
+                event.synchronize()
+            got = host.tolist()
+            if stats is None:
+                return bool(got[0])
+            B, K = state.root.shape[0], len(stats.realised)
+            active, lens = got[:B], got[B: 2 * B]
+            n = sum(active)
+            run.context = sum(a * c for a, c in zip(active, lens)) / max(n, 1.0)
+            run.realised, run.seen = got[2 * B: 2 * B + K], [v > 0 for v in got[2 * B + K:]]
+            return n > 0
+
+        return wait
 
     @property
     def noise_generator(self) -> Optional[torch.Generator]:

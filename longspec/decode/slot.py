@@ -10,6 +10,7 @@ the batch sizes it is given up front.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -81,6 +82,20 @@ class Slot:
     def batch_size(self) -> int:
         return self.cache.batch_size
 
+    def begin(self, lens: Tensor, root: Tensor, eos: Tensor, max_new: int, seed: Optional[int]) -> None:
+        """A call's start after its prefill: ``lens`` committed rows per row, ``root`` pending, its stop ids,
+        ``max_new_tokens`` and seed (None: unseeded) as data."""
+        self.cache.seqlens.copy_(lens.to(torch.int32))
+        self.root.copy_(root)
+        self.tokens.scatter_(1, lens[:, None], root[:, None])
+        self.set_eos(eos)
+        self.active.copy_(~(root[:, None] == self.eos).any(dim=-1) & (max_new > 1))
+        self.generated.fill_(1)
+        self.pending.zero_()
+        self.max_new.fill_(max_new)
+        if seed is not None:
+            self.set_seed(seed)
+
     def set_eos(self, ids: Tensor) -> None:
         """This call's stop ids (int64 ``[E]``) into the buffer; a longer list than it holds gets a new buffer
         (and the tail graphs, which read the old one, are dropped)."""
@@ -117,4 +132,48 @@ class Slot:
         return [*self.forwards.values(), *self.drafts.values(), *self.tails.values()]
 
 
-__all__ = ["EOS_CAPACITY", "Slot"]
+class SlotPool:
+    """A decoder's slots by batch size: those made by a warm-up (``pin``) are kept; of the others only the last.
+
+    ``report``: the budget report's length past the 2B active / length entries (2K for K options; 0: no budget).
+    """
+
+    def __init__(self, target: torch.nn.Module, depth: int, report: int, max_cache_len: Optional[int], tp) -> None:
+        self.target, self.depth, self.report, self.max_cache_len, self.tp = target, depth, report, max_cache_len, tp
+        self.slots: dict[int, Slot] = {}
+        self.last: Optional[Slot] = None  # the slot of the last call
+
+    def get(self, batch: int, rows: int, pin: bool = False) -> Slot:
+        """The slot of this batch size, reused when its cache fits ``rows`` (its graphs and compiled code stay
+        valid); otherwise a new one (with a warning when a warm-up made the old one: a request it did not cover)."""
+        if self.max_cache_len is not None and rows > self.max_cache_len:
+            raise ValueError(f"the request needs {rows} cache rows (prompt + max_new_tokens + scratch rows for one "
+                             f"verify step), more than max_cache_len={self.max_cache_len}")
+        target = self.target
+        dtype, device = target.dtype, target.get_output_embeddings().weight.device
+        slot = self.slots.get(batch)
+        if slot is None or slot.cache.max_len < rows or slot.cache.kv.dtype != dtype:
+            pinned = pin or (slot is not None and slot.pinned)
+            if slot is not None and slot.pinned and not pin:
+                warnings.warn(f"a request of batch {batch} needs {rows} cache rows, more than warmup() prepared "
+                              f"({slot.cache.max_len}): the cache is reallocated and its graphs captured again "
+                              f"(warm up with a larger max_context)", stacklevel=4)
+            if not pinned:  # one slot for the batch sizes nobody warmed up
+                self.slots = {b: s for b, s in self.slots.items() if s.pinned}
+            rows = -(-rows // 256) * 256  # round up so later requests can reuse it
+            if self.max_cache_len is not None:
+                rows = min(rows, self.max_cache_len)
+            vocab = target.get_output_embeddings().weight.shape[0]
+            report = 2 * batch + self.report if self.report else 0
+            slot = Slot.allocate(target.config, batch, rows, self.depth, vocab, report, dtype, device, tp=self.tp)
+            slot.pinned = pinned
+            # a later, longer request needs a wider buffer: one dynamic dimension, not one compile per width
+            torch._dynamo.maybe_mark_dynamic(slot.tokens, 1)
+            self.slots[batch] = slot
+        slot.pinned = slot.pinned or pin
+        slot.cache.seqlens.zero_()
+        self.last = slot
+        return slot
+
+
+__all__ = ["EOS_CAPACITY", "Slot", "SlotPool"]

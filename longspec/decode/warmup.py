@@ -80,7 +80,7 @@ def warmup(decoder: "SpeculativeDecoder", batch_sizes: Sequence[int], max_contex
     report, t0 = WarmupReport(), time.perf_counter()
     steps = [(b, p) for b in batches for p in settings]
     with torch.inference_mode():  # as generate: the slots' tensors and the budget's statistics are inference tensors
-        slots = {b: decoder._slot_for(b, max_context + decoder._scratch_rows(), pin=True) for b in batches}
+        slots = {b: decoder._slots.get(b, max_context + decoder._scratch_rows(), pin=True) for b in batches}
         _run_steps(decoder, steps, slots, max_context, progress, report, cuda, device)
     report.seconds = time.perf_counter() - t0
     report.slot_bytes = sum(s.nbytes() for s in slots.values())

@@ -88,18 +88,18 @@ def test_warmed_slots_are_kept_and_a_longer_request_warns():
     target = tiny_target(FAMILY)
     dec = _decoders(target)["pld"]()
     dec.warmup(batch_sizes=(1,), max_context=80, progress=False)
-    kv = dec._slots[1].cache.kv
+    kv = dec._slots.slots[1].cache.kv
     for lens in ([30], [20, 25, 30], [30]):
         ids, mask = ragged_batch(lens, seed=1, period=7)
         dec.generate(ids, 16, attention_mask=mask)
-    assert dec._slots[1].cache.kv is kv and set(dec._slots) == {1, 3}
-    rows = dec._slots[1].cache.max_len  # max_context rounded up to a multiple of 256 rows
+    assert dec._slots.slots[1].cache.kv is kv and set(dec._slots.slots) == {1, 3}
+    rows = dec._slots.slots[1].cache.max_len  # max_context rounded up to a multiple of 256 rows
     ids, mask = ragged_batch([70], seed=2, period=7)
     want, scores = hf_greedy(target, ids, mask, rows - 60)
     with pytest.warns(UserWarning, match="more than warmup"):
         out = dec.generate(ids, rows - 60, attention_mask=mask)
     assert_same_tokens(out.sequences, want, scores, start=ids.shape[1])
-    assert dec._slots[1].pinned and dec._slots[1].cache.max_len > rows
+    assert dec._slots.slots[1].pinned and dec._slots.slots[1].cache.max_len > rows
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -116,4 +116,4 @@ def test_warmup_refuses_bad_arguments(kwargs, match):
     dec = SpeculativeDecoder(tiny_target(FAMILY), PromptLookupDrafter(), tree_shape=(1, 1))
     with pytest.raises(ValueError, match=match):
         dec.warmup(progress=False, **kwargs)
-    assert not dec._slots  # nothing allocated
+    assert not dec._slots.slots  # nothing allocated
