@@ -44,44 +44,29 @@ calibrated, below). Every option is a static shape, so each replays from its own
   nearly every draft cannot beat it, however stale its mean). The first round verifies the largest option, which
   scores every option.
 
+The cost model lives in :mod:`~longspec.decode.costs`, the statistics in :mod:`~longspec.decode.acceptance`, the
+calibration in :mod:`~longspec.decode.calibration`; this module holds the options and the choice.
+
 Rows of a batch share the option (one forward) but not the tree: each row keeps its own best nodes. Nothing here
 changes what is emitted: every option is a tree verified by the same lossless rule.
 """
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import math
 import os
-import statistics
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 
-import longspec_ops  # noqa: F401  (registers torch.ops.longspec)
-
+from .acceptance import (DECAY, NUM_BUCKETS, PRIOR_WEIGHT, REALISED_RATE, SCORE_BUCKET, AcceptanceStats,  # noqa: F401
+                         Exploration, sampling_key)
+from .costs import CostModel, cache_path, fit_line, tail_label, time_us  # noqa: F401  (this module's public names)
 from .drafter import DraftTree, TreeSpec
 from .tree import select_nodes
-
-SCORE_BUCKET = 0.75  # nats per draft-score bucket: bucket k holds log-probabilities in (-(k+1) * 0.75, -k * 0.75]
-NUM_BUCKETS = 16  # the last bucket also takes everything below -11.25, -inf included
-PRIOR_WEIGHT = 4.0  # pseudo-count of the prior (the bucket's own probability) in each acceptance estimate
-DECAY = 1.0 - 1.0 / 2048  # per round: the counts forget rounds older than a few thousand
-REALISED_RATE = 0.2  # weight of the newest round in an option's running realised tau (scored every round)
-
-
-@dataclass
-class Exploration:
-    """One run's host-side record for the choice: ``scored[k]``, the discounted count of recent rounds whose tree
-    surely held option k's (so scored it), and ``rounds``, the discounted count of rounds."""
-
-    scored: list[float]
-    rounds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -124,201 +109,6 @@ def default_options(spec: TreeSpec, budgets: Sequence[int] = (2, 4, 8, 16, 32, 6
             for n in sorted({n for n in budgets if 2 <= n < cut.num_nodes} | {cut.num_nodes}):
                 options.append(BudgetOption(cut, n))
     return list(dict.fromkeys(options))
-
-
-# -- costs ------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class CostModel:
-    """Measured costs in microseconds, per batch size, each ``a + b * context`` (context = committed length).
-
-    verify:  ``{batch: {nodes: (a, b)}}``: the target forward over a tree of that many nodes plus the round's tail,
-             greedy.
-    draft:   ``{batch: {draft_key: (a, b)}}``: growing that pool and pruning it (``"plain"``: the drafters'
-             catch-up in a plain round).
-    sampled: ``{tail: {batch: {nodes: (a, b)}}}``: as ``verify`` for rounds that sample (``tail``:
-             :func:`tail_label` of the sampling settings). Drawing at T > 0 costs more per node than an argmax,
-             most at batch > 1: on the H200, shipped pair, 8k, batch 16, a sampled round took 243 us more than a
-             greedy one with a 17-node tree and 37 us more with the root alone, so greedy costs would make drafting
-             look cheaper than it is there.
-    meta:    where the numbers came from (device, model, how measured).
-    """
-
-    verify: dict[int, dict[int, tuple[float, float]]] = field(default_factory=dict)
-    draft: dict[int, dict[str, tuple[float, float]]] = field(default_factory=dict)
-    meta: dict = field(default_factory=dict)
-    sampled: dict[str, dict[int, dict[int, tuple[float, float]]]] = field(default_factory=dict)
-
-    def verify_table(self, batch: int, tail: Optional[str] = None) -> dict[int, tuple[float, float]]:
-        """``{nodes: (a, b)}`` of this batch's greedy (``tail`` None) or sampled rounds (empty when not measured)."""
-        return (self.verify if tail is None else self.sampled.get(tail, {})).get(batch, {})
-
-    def covers(self, batch: int, options: Sequence[BudgetOption], tail: Optional[str] = None) -> bool:
-        """Whether every option's pieces have a cost at this batch (for rounds with this sampling ``tail``; None:
-        greedy)."""
-        v, d = self.verify_table(batch, tail), self.draft.get(batch, {})
-        return all(o.nodes in v and o.draft_key in d for o in options)
-
-    def verify_us(self, context: float, nodes: int, batch: int, tail: Optional[str] = None) -> float:
-        a, b = self.verify_table(batch, tail)[nodes]
-        return a + b * context
-
-    def draft_us(self, key: str, context: float, batch: int) -> float:
-        a, b = self.draft[batch][key]
-        return a + b * context
-
-    def round_us(self, option: BudgetOption, context: float, batch: int, tail: Optional[str] = None) -> float:
-        return self.verify_us(context, option.nodes, batch, tail) + self.draft_us(option.draft_key, context, batch)
-
-    def update(self, other: "CostModel") -> "CostModel":
-        """Add ``other``'s entries (they win where both have one); returns self."""
-        tables = [(self.verify, other.verify), (self.draft, other.draft)]
-        tables += [(self.sampled.setdefault(tail, {}), t) for tail, t in other.sampled.items()]
-        for mine, theirs in tables:
-            for batch, table in theirs.items():
-                mine.setdefault(batch, {}).update(table)
-        self.meta.update(other.meta)
-        return self
-
-    def to_json(self) -> dict:
-        def rows(t):
-            return {str(b): {str(n): list(c) for n, c in tab.items()} for b, tab in t.items()}
-
-        out = {"verify": rows(self.verify), "draft": rows(self.draft), "meta": self.meta}
-        if self.sampled:
-            out["sampled"] = {tail: rows(t) for tail, t in self.sampled.items()}
-        return out
-
-    @classmethod
-    def from_json(cls, data: dict) -> "CostModel":
-        def rows(t, key=int):
-            return {int(b): {key(n): tuple(c) for n, c in tab.items()} for b, tab in t.items()}
-
-        try:
-            return cls(rows(data["verify"]), rows(data["draft"], str), dict(data.get("meta", {})),
-                       {tail: rows(t) for tail, t in data.get("sampled", {}).items()})
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise ValueError(f"not a cost model (expected 'verify' and 'draft' tables by batch): {e}") from e
-
-    def save(self, path: str | os.PathLike) -> None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(self.to_json(), indent=1))
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> "CostModel":
-        return cls.from_json(json.loads(Path(path).read_text()))
-
-
-def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """Least-squares ``(a, b)`` of ``y = a + b x`` over ``(x, y)`` points, with ``b >= 0`` and ``a >= 0`` (a cost
-    never falls with the context, nor goes below zero); one distinct x gives ``(mean y, 0)``."""
-    xs, ys = [p[0] for p in points], [p[1] for p in points]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    b = max(0.0, sum((x - mx) * (y - my) for x, y in points) / sxx) if sxx > 0 else 0.0
-    a = my - b * mx
-    if a < 0:  # refit through the origin
-        b = max(0.0, sum(x * y for x, y in points) / max(sum(x * x for x in xs), 1e-30))
-        a = 0.0
-    return a, b
-
-
-def time_us(fn: Callable[[], object], device: torch.device, reps: int = 5) -> float:
-    """Median microseconds of ``fn()`` after one untimed call: CUDA events on a GPU, the wall clock elsewhere."""
-    fn()
-    samples = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) * 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(samples)
-
-
-def cache_path(cache_dir: Optional[str | os.PathLike], key: dict) -> Path:
-    """The file a calibration with this key is kept in: ``$LONGSPEC_CACHE_DIR`` (else ``~/.cache/longspec``)
-    ``/costs/<hash of the key>.json``."""
-    root = Path(cache_dir or os.environ.get("LONGSPEC_CACHE_DIR") or Path.home() / ".cache" / "longspec")
-    digest = hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    return root / "costs" / f"{digest}.json"
-
-
-# -- acceptance statistics --------------------------------------------------------------------------------------------
-
-
-class AcceptanceStats:
-    """Running acceptance counts by (sources, depth, score bucket), and every option's running realised tau.
-
-    Device tensors, updated inside the captured draft and tail steps (no host sync): ``proposed`` / ``accepted``
-    float32 ``[S * (D + 1) * NUM_BUCKETS]`` (decayed counts; S = 2 ** parts), ``realised`` float32 ``[options]``
-    (running mean of the tau each option realised or would have realised; 1 until ``seen``), ``seen`` bool
-    ``[options]``; and on the host the :class:`Exploration` counts the choice keeps.
-    """
-
-    def __init__(self, parts: int, max_depth: int, num_options: int, device: torch.device) -> None:
-        self.sources, self.max_depth = 2 ** parts, max_depth
-        cells = self.sources * (max_depth + 1) * NUM_BUCKETS
-        self.proposed = torch.zeros(cells, device=device)
-        self.accepted = torch.zeros(cells, device=device)
-        bucket = torch.arange(cells, device=device) % NUM_BUCKETS
-        self.prior = torch.exp(-(bucket + 0.5) * SCORE_BUCKET)  # the draft's own probability, mid-bucket
-        self.prior[bucket == NUM_BUCKETS - 1] = 0.0  # the catch-all bottom bucket: fillers, duplicates
-        self.realised = torch.ones(num_options, device=device)
-        self.seen = torch.zeros(num_options, dtype=torch.bool, device=device)
-        self.mass = torch.zeros(num_options, device=device)  # weight of the rounds behind each running mean
-        self.exploration = Exploration([0.0] * num_options)  # host side: AdaptiveBudget.choose counts into it
-
-    def tensors(self) -> list[Tensor]:
-        """What the draft and tail steps mutate (restored after their graph warm-up runs)."""
-        return [self.proposed, self.accepted, self.realised, self.seen, self.mass]
-
-    def keys(self, depths: Tensor, scores: Tensor, sources: Tensor) -> Tensor:
-        """int64 ``[B, T]`` table cells of the nodes (scores and sources as :meth:`AdaptiveBudget.shape` fills
-        them)."""
-        # clamped before the cast, so truncation is the floor; -inf scores land in the bottom bucket (sources and
-        # depths are in range by construction: a part bitmask, a depth of the decoder's tree)
-        bucket = (scores / -SCORE_BUCKET).nan_to_num(nan=0.0).clamp(0, NUM_BUCKETS - 1).long()
-        return (sources * (self.max_depth + 1) + depths) * NUM_BUCKETS + bucket
-
-    def estimate(self, keys: Tensor) -> Tensor:
-        """float32 ``[B, T]``: each node's estimated probability of being accepted."""
-        rate = torch.add(self.accepted, self.prior, alpha=PRIOR_WEIGHT) / (self.proposed + PRIOR_WEIGHT)
-        return rate[keys]
-
-    def blank(self, rows: int, nodes: int, device: torch.device) -> tuple[Tensor, Tensor]:
-        """``(within, contained)`` of a round that scores no option (a plain round): zeros ``[rows, nodes, K]`` and
-        False ``[K]``."""
-        K = self.realised.shape[0]
-        return torch.zeros(rows, nodes, K, device=device), torch.zeros(K, dtype=torch.bool, device=device)
-
-    def record(self, keys: Tensor, within: Tensor, contained: Tensor, accept_index: Tensor, accept_len: Tensor,
-               active: Tensor) -> None:
-        """Count a verified round and score the options it contains.
-
-        Args:
-            keys: int64 ``[B, T]`` the verified nodes' table cells: every non-root node of the active rows is
-                counted as proposed, the accepted path's as accepted.
-            within: float32 ``[B, T, K]``: 1 where verified node t is one of option k's kept nodes.
-            contained: bool ``[K]``: option k's kept nodes all lie in the verified tree (in every active row); its
-                realised tau, 1 + the accepted path's nodes among them, averaged over the active rows, enters its
-                running mean.
-            accept_index, accept_len: the acceptance (:class:`~longspec.decode.verify.Acceptance`).
-            active: bool ``[B]``.
-
-        One op, ``torch.ops.longspec.record_acceptance_`` (:mod:`longspec_ops.reference.stats`; one Triton launch
-        on CUDA instead of ~25 small kernels).
-        """
-        torch.ops.longspec.record_acceptance_(self.proposed, self.accepted, self.realised, self.mass, self.seen, keys,
-                                              within, contained, accept_index, accept_len, active, DECAY,
-                                              REALISED_RATE)
 
 
 # -- the policy -------------------------------------------------------------------------------------------------------
@@ -656,17 +446,6 @@ def root_tree(root: Tensor) -> DraftTree:
     zeros = torch.zeros(B, 1, dtype=torch.int64, device=root.device)
     return DraftTree(root[:, None].clone(), zeros - 1, torch.ones(B, 1, 1, dtype=torch.bool, device=root.device),
                      zeros, torch.zeros(B, 1, device=root.device), zeros)
-
-
-def tail_label(params) -> Optional[str]:
-    """What a round's cost depends on in the sampling settings: None for greedy rounds, else the filters the draws
-    apply (top-k, top-p: a top-p draw sorts the vocabulary), e.g. ``"sampled top_k=0 top_p=1"``."""
-    return None if params.greedy else f"sampled top_k={params.top_k} top_p={params.top_p:g}"
-
-
-def sampling_key(params) -> tuple:
-    """What acceptance depends on in the sampling settings (the seed does not matter)."""
-    return ("greedy",) if params.greedy else (round(params.temperature, 4), params.top_k, round(params.top_p, 4))
 
 
 __all__ = ["AcceptanceStats", "AdaptiveBudget", "BudgetOption", "CostModel", "default_options", "fit_line",
