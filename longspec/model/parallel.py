@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from torch import Tensor
 
+from .geometry import attention_modules, num_kv_heads
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from transformers import PretrainedConfig, PreTrainedModel
@@ -59,8 +61,6 @@ class TensorParallel:
 
 def check_head_split(config: "PretrainedConfig", world: int) -> None:
     """Raise ``ValueError`` naming the head count unless ``world`` ranks can split the attention by whole heads."""
-    from longspec.model.target import num_kv_heads
-
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"the tensor-parallel size must be an int >= 1, got {world!r}")
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -77,8 +77,6 @@ def tensor_parallel(model: "PreTrainedModel") -> Optional[TensorParallel]:
     Raises ``ValueError`` for a layout longspec cannot decode: attention projections sharded other than q/k/v
     column-wise and o_proj row-wise on one 1-D mesh, or head counts the mesh does not divide.
     """
-    from longspec.model.target import attention_modules, num_kv_heads
-
     if not torch.distributed.is_available():
         return None
     from torch.distributed.tensor import DTensor, Shard

@@ -35,7 +35,9 @@ from transformers import AttentionInterface
 
 import longspec_ops  # noqa: F401  (registers torch.ops.longspec)
 
+from .geometry import attention_modules, head_dim, num_kv_heads  # noqa: F401  (also imported from here)
 from .invariant import chain_ancestors, tree_ancestors
+from .parallel import check_head_split
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -109,8 +111,6 @@ class StaticKVCache:
         (:func:`longspec.model.parallel.tensor_parallel`) it holds this rank's KV heads only."""
         heads = num_kv_heads(config)
         if tp is not None:
-            from longspec.model.parallel import check_head_split
-
             check_head_split(config, tp.world)
             heads //= tp.world
         return cls(config.num_hidden_layers, batch_size, max_len, heads, head_dim(config), dtype, device, tp)
@@ -159,14 +159,6 @@ def _write_rows(layer_kv: Tensor, batch: Tensor, rows: Tensor, k: Tensor, v: Ten
     """
     plane = torch.arange(2, device=rows.device)[:, None, None]
     layer_kv.index_put_((plane, batch[None], rows[None]), torch.stack([k, v]))
-
-
-def num_kv_heads(config: "PretrainedConfig") -> int:
-    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-
-
-def head_dim(config: "PretrainedConfig") -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 @dataclass
@@ -339,11 +331,6 @@ def use_longspec_attention(model: "PreTrainedModel") -> Iterator[None]:
     finally:
         model.set_attn_implementation(previous)
         _unbind(model)
-
-
-def attention_modules(model: "PreTrainedModel") -> list[torch.nn.Module]:
-    """The self-attention module of every decoder layer, in layer order (``module.layer_idx == i``)."""
-    return [layer.self_attn for layer in model.base_model.layers]
 
 
 def _bind(model: "PreTrainedModel", cache: StaticKVCache) -> None:
