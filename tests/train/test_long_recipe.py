@@ -130,12 +130,13 @@ def test_target_trainer_runs_the_window_phases_in_order(monkeypatch):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import longspec.recipes.code_pair as cp
+    import longspec.recipes.pair_target as stage
 
     import numpy as np
 
     seen = []
-    real = cp.random_windows
-    monkeypatch.setattr(cp, "random_windows", lambda t, seq, batch, gen: seen.append((seq, batch)) or real(t, seq,
+    real = stage.random_windows
+    monkeypatch.setattr(stage, "random_windows", lambda t, seq, batch, gen: seen.append((seq, batch)) or real(t, seq,
                                                                                                             batch, gen))
     model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64))
