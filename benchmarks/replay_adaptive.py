@@ -16,7 +16,7 @@ Costs. ``--costs FILE``: the adaptive options' :class:`~longspec.decode.budget.C
 be this code's). ``--fixed-costs FILE`` (JSON ``{method: [a, b]}``, us = a + b * context): the fixed methods'
 rounds; default :data:`FIXED_US`, typed in from ``benchmarks/results/h200/step_latency_adaptive.md`` (the pair, 8k,
 ``compile=False``; the LongSpec chain, never timed there, scaled from the fixed tree by their ratio in
-``adaptive_f8d1efe.md``) with a context slope from ``step_latency.md``'s plain decode (840 us at 8k, 870 at 32k).
+``adaptive_f8d1efe.md`` in git history) with a context slope from ``step_latency.md``'s plain decode (840 us at 8k, 870 at 32k).
 Those are greedy rounds: at T = 1 the adaptive drafter's rounds cost its model's sampled verify times (the cost model
 must hold them: ``bench_adaptive`` calibrates them at its first T = 1 call), the fixed methods' do not, so at T = 1
 the fixed rows are modelled too fast by the sampled tail's extra cost (160-180 us a round on the H200 at batch 1,
@@ -48,7 +48,7 @@ AT = 8192  # the context of the typed H200 rows
 COSTS = Path(__file__).parent / "results" / "h200" / "pair_costs.json"
 # fixed methods' rounds at 8k (a, b), step_latency_adaptive.md: plain (the decode the PLD chain's round / decode
 # ratio implies), the PLD chains of 6 and 16, the 69-node tree; the LongSpec chain of 5 = the tree's x 2221 / 2632
-# (their e2e rounds at 8k, adaptive_f8d1efe.md)
+# (their e2e rounds at 8k, adaptive_f8d1efe.md (git history))
 FIXED_US = {PLAIN: (1084.0 / 1.26 - SLOPE * AT, SLOPE), PLD: (1084.0 - SLOPE * AT, SLOPE),
             PLD_DEEP: (1083.0 - SLOPE * AT, SLOPE), LONGSPEC_TREE: (2525.0 - SLOPE * AT, SLOPE),
             LONGSPEC_CHAIN: (2525.0 * 2221 / 2632 - SLOPE * AT, SLOPE)}
