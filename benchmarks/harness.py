@@ -49,8 +49,28 @@ def environment() -> dict:
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "git_sha": sha,
+        "source_sha": source_hash(),
         "longspec_ops_C": longspec_ops.has_cuda_kernels(),
     }
+
+
+SOURCE_DIRS = ("longspec", "longspec_ops", "csrc", "benchmarks")
+SOURCE_SUFFIXES = (".py", ".cu", ".cuh", ".cpp", ".h", ".txt", ".toml")
+
+
+def source_hash(root: Optional[Path] = None) -> str:
+    """A hash of the code that ran (the sources under ``SOURCE_DIRS``, by relative path and content), read from the
+    files themselves: unlike ``git_sha`` (the checkout's HEAD, or what ``LONGSPEC_GIT_SHA`` claims) it cannot name a
+    stale commit. ``python -m benchmarks.harness`` prints it for the working tree, to match a result against."""
+    import hashlib
+
+    root = root or Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for d in SOURCE_DIRS:
+        for f in sorted((root / d).rglob("*")):
+            if f.is_file() and f.suffix in SOURCE_SUFFIXES and "results" not in f.relative_to(root).parts:
+                h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
 
 
 def _driver() -> Optional[str]:
@@ -112,4 +132,8 @@ def write_results(suite: str, rows: list[dict], out: Optional[str | os.PathLike]
     return d
 
 
-__all__ = ["environment", "markdown", "results_dir", "write_results"]
+__all__ = ["environment", "markdown", "results_dir", "source_hash", "write_results"]
+
+
+if __name__ == "__main__":
+    print(source_hash())
