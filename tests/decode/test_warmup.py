@@ -62,19 +62,21 @@ def test_compiled_generate_after_warmup_compiles_nothing(name):
 
 
 def test_warmup_changes_no_output_and_no_statistic():
-    """The warm-up's synthetic rounds run with every row inactive and restore the budget's statistics, so a
-    warmed decoder (eager) gives the same tokens, option choices and statistics as a cold one."""
+    """The warm-up's synthetic rounds run with every row inactive and restore the budget's statistics, so a decoder
+    warmed up between two calls (eager) gives the same tokens, option choices and statistics as one that was not:
+    the first call's counts would otherwise decay (or move) under the warm-up's rounds."""
     target = tiny_target(FAMILY)
     draft = LongSpecDraft.from_target(target)  # one draft (random weights) for both decoders
-    ids, mask = ragged_batch([37, 52], seed=4, period=9)
+    first, then = ragged_batch([37, 52], seed=4, period=9), ragged_batch([44, 29], seed=5, period=7)
     outs, stats = [], []
     for warm in (False, True):
         dec = _decoders(target, draft)["adaptive"]()
         dec.budget.costs = unit_costs(dec.budget.options)
+        dec.generate(first[0], 24, attention_mask=first[1])
         if warm:
             report = dec.warmup(batch_sizes=(2,), max_context=120, progress=False)
             assert [s.batch for s in report.steps] == [2] and report.slot_bytes > 0 and "warmup" in str(report)
-        outs.append(dec.generate(ids, 24, attention_mask=mask))
+        outs.append(dec.generate(then[0], 24, attention_mask=then[1]))
         stats.append([t.clone() for t in dec.budget.stats_for(("greedy",), torch.device("cpu")).tensors()])
     assert_same_tokens(outs[1].sequences, outs[0].sequences)
     assert outs[1].stats.option_per_round == outs[0].stats.option_per_round
