@@ -98,22 +98,24 @@ def _run_steps(decoder: "SpeculativeDecoder", steps: list, slots: dict, max_cont
         t1 = time.perf_counter()
         if decoder.budget is not None:
             bar.set_postfix_str(f"batch {batch} T={params.temperature:g}: calibrating the budget")
-            # the calibration's synthetic run must fit the slot: two rounds' room past its context
-            room = slot.cache.max_len - decoder._scratch_rows() - 2 * (decoder.tree.depth + 1) - 1
-            calibration.ensure_costs(decoder, batch, min(max_context, room), params)
+            calibration.ensure_costs(decoder, batch, min(max_context, _synthetic_context(decoder, slot)), params)
         t2 = time.perf_counter()
         bar.set_postfix_str(f"batch {batch} T={params.temperature:g}: compiling and capturing")
-        _capture_rounds(decoder, batch, slot.cache.max_len, params)
+        _capture_rounds(decoder, batch, _synthetic_context(decoder, slot), params)
         if cuda:
             torch.cuda.synchronize(device)
         report.steps.append(WarmupStep(batch, params.temperature, t2 - t1, time.perf_counter() - t2,
                                        slot.captures() - before))
 
 
-def _capture_rounds(decoder: "SpeculativeDecoder", batch: int, rows: int, params: SamplingParams) -> None:
+def _synthetic_context(decoder: "SpeculativeDecoder", slot) -> int:
+    """The longest committed length a synthetic run (calibration or capture: two rounds' room) fits in ``slot``."""
+    return slot.cache.max_len - decoder._scratch_rows() - 2 * (decoder.tree.depth + 1) - 1
+
+
+def _capture_rounds(decoder: "SpeculativeDecoder", batch: int, context: int, params: SamplingParams) -> None:
     """One round of every option (the fixed tree, or each budget option) on a synthetic run in the batch's slot,
     every row inactive: it compiles and captures what a request's rounds replay and changes no statistic."""
-    context = rows - decoder._scratch_rows() - 2 * (decoder.tree.depth + 1) - 1  # the slot's rows fit one round
     run = decoder.synthetic_run(context, batch, rounds=1, params=params, as_given=True)
     saved = [t.clone() for t in run.stats.tensors()] if run.stats is not None else []
     run.state.active.zero_()

@@ -49,9 +49,11 @@ def test_compiled_generate_after_warmup_compiles_nothing(name):
     dec = _decoders(target)[name](compile=True)
     if dec.budget is not None:
         dec.budget.costs = unit_costs(dec.budget.options)
-    dec.warmup(batch_sizes=(1, 2), max_context=160, temperatures=(0.0, 0.8), progress=False)
+    dec.warmup(batch_sizes=(1, 2), max_context=400, temperatures=(0.0, 0.8), progress=False)
     compiled = _unique_graphs()
-    for lens, new, temperature in (([40], 8, 0.0), ([40], 60, 0.0), ([90, 31], 40, 0.8), ([25, 70], 30, 0.0)):
+    # the last request needs more than 256 cache rows: a cache sized by the first request would grow there
+    for lens, new, temperature in (([40], 8, 0.0), ([40], 60, 0.0), ([90, 31], 40, 0.8), ([25, 70], 30, 0.0),
+                                   ([300], 80, 0.0)):
         ids, mask = ragged_batch(lens, seed=len(lens) + new, period=9)
         out = dec.generate(ids, new, temperature=temperature, attention_mask=mask)
         assert _unique_graphs() == compiled, f"{name}: generate{lens, new, temperature} compiled after warmup"
