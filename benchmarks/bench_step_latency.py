@@ -161,7 +161,29 @@ def profile_draft(dec, context: int, replays: int = 10, rows: int = 40) -> str:
             for _ in range(replays):
                 graph.replay()
             torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=90)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=90)
+    return table + "\n" + _timeline(prof, replays)
+
+
+def _timeline(prof, replays: int) -> str:
+    """The middle replay kernel by kernel, in launch order: start, duration and the idle gap before each kernel
+    (us), so a step's time splits into kernel time and the gaps between dependent launches."""
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    per = len(kernels) // max(1, replays)
+    one = kernels[(replays // 2) * per:(replays // 2 + 1) * per]
+    if not one:
+        return ""
+    t0 = one[0].time_range.start
+    lines = [f"One replay: {len(one)} kernels, {one[-1].time_range.end - t0:.1f} us from the first start to the "
+             f"last end, {sum(e.time_range.end - e.time_range.start for e in one):.1f} us in kernels", "",
+             "| start | us | gap | kernel |", "|---|---|---|---|"]
+    prev = t0
+    for e in one:
+        start, end = e.time_range.start, e.time_range.end
+        lines.append(f"| {start - t0:.1f} | {end - start:.1f} | {start - prev:.1f} | {e.name[:110]} |")
+        prev = end
+    return "\n".join(lines) + "\n"
 
 
 def draft_floor_us(draft, target, context: int, depth: int, vocab_rows: int, copy_bytes_per_s: float) -> float:

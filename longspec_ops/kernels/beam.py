@@ -16,6 +16,9 @@ the result does not depend on scheduling.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -23,16 +26,21 @@ from torch import Tensor
 
 _LOW = (1 << 32) - 1
 _KEY_MIN = tl.constexpr(-(1 << 63))  # no candidate (a column past V, a slot past a chunk's valid columns)
-# Chunks grow (up to _MAX_CHUNK columns, 32 a thread at 16 warps) until a batch row has at most _TARGET_CANDIDATES
-# candidates; the select kernel keeps up to _MAX_CANDIDATES_IN_REGISTERS int64 keys in registers (more loop through
-# a scratch buffer). Measured on the H200 (draft_profile.txt): with 8192 candidates and 8 warps the select took
-# 15.8 us a level at Llama-3-8B shapes (no spills: 95 registers offline); with this plan 12.3 us there, but 9.8
-# against 6.5 us on the shipped pair. The select is bound by its serial chain (WIDTH rounds of a 64-bit max over 32
-# keys a thread), not by registers; fewer keys a thread or a tournament over the chunks' sorted lists is next.
+# Chunks grow (up to _MAX_CHUNK columns) until a batch row has at most _TARGET_CANDIDATES candidates; the select
+# kernel keeps up to _MAX_CANDIDATES_IN_REGISTERS int64 keys in registers (more loop through a scratch buffer).
+# Both kernels are bound by their serial chains (K1, then WIDTH rounds of a 64-bit block max), so the warps are set
+# for few values a thread: on the H200 (benchmarks/sweep_beam.py, results/h200/sweep_beam.md: 9 level shapes of the
+# 69-node tree over 2k / 32k / 128k vocabularies, 20 calls a CUDA graph) 16 values a chunk thread and 8 keys a select
+# thread took 135 us summed over the shapes, against 165 with 32 of each and 131 for each shape's own best plan.
+# (One program per batch row for a whole small level, one launch, was slower from 4 parents up: 17 vs 12 us at
+# 4 x 2048, 57 vs 13 at 16 x 2048.) The next step is fewer rounds, not more parallel ones.
 _TARGET_CANDIDATES = 2048
 _MAX_CANDIDATES_IN_REGISTERS = 4096
 _MAX_CHUNK = 16384
 _MIN_CHUNK = 512
+_SELECT_BLOCK = 2048  # keys a step of the select kernel's looped path (candidates past its registers)
+_CHUNK_PER_THREAD = 16  # values a thread of the chunk kernel
+_SELECT_PER_THREAD = 8  # keys a thread of the select kernel
 
 
 @triton.jit
@@ -156,23 +164,55 @@ def _store_choice(key, b, i, V, PARENT, COLUMN, SCORE, WIDTH: tl.constexpr):
     tl.store(SCORE + b * WIDTH + i, _key_value(key))
 
 
-def _warps(elements: int) -> int:
-    """Warps for a program reducing ``elements`` values: 32 a thread, 1 to 16 warps."""
-    return max(1, min(16, elements // 1024))
+@dataclass(frozen=True)
+class BeamPlan:
+    """Launch parameters of one ``beam_topk`` call (exact for any values; they only move time).
+
+    Attributes:
+        chunk: columns per chunk program (a power of two).
+        chunks: chunk programs per parent row (``cdiv(V, chunk)``).
+        k1: candidates each chunk keeps (``min(width, V, chunk)``).
+        chunk_warps, select_warps: ``num_warps`` of the two kernels.
+    """
+
+    chunk: int
+    chunks: int
+    k1: int
+    chunk_warps: int
+    select_warps: int
+
+    def candidates(self, parents: int) -> int:
+        """Candidates per batch row: what the select kernel reduces."""
+        return parents * self.chunks * self.k1
 
 
-def plan(P: int, V: int, width: int) -> tuple[int, int, int]:
-    """``(CHUNK, C, K1)``: columns per chunk program, chunks per row and candidates kept per chunk. Chunks are
-    sized so that the P * C * K1 candidates of a batch row fit the select kernel's registers where they can."""
+def _warps(elements: int, per_thread: int) -> int:
+    """Warps for a program reducing ``elements`` values, ``per_thread`` a thread: 1 to 16 warps."""
+    return max(1, min(16, elements // (32 * per_thread)))
+
+
+def plan(P: int, V: int, width: int, target_candidates: Optional[int] = None,
+         chunk_per_thread: Optional[int] = None, select_per_thread: Optional[int] = None) -> BeamPlan:
+    """The default :class:`BeamPlan` of a ``[B, P, V]`` level keeping ``width``: chunks sized so the ``P * C * K1``
+    candidates of a batch row come near ``target_candidates`` (and fit the select kernel's registers where they
+    can); warps so each thread holds about ``*_per_thread`` values. The keyword arguments are sweep knobs
+    (``benchmarks/sweep_beam.py``); None takes the defaults."""
+    target_candidates = target_candidates or _TARGET_CANDIDATES
     k1 = min(width, V)
-    target = max(1, _TARGET_CANDIDATES // (P * k1))
+    target = max(1, target_candidates // (P * k1))
     chunk = min(_MAX_CHUNK, max(_MIN_CHUNK, triton.next_power_of_2(triton.cdiv(V, target))))
     k1 = min(k1, chunk)
-    return chunk, triton.cdiv(V, chunk), k1
+    C = triton.cdiv(V, chunk)
+    nc = P * C * k1
+    block = triton.next_power_of_2(nc) if nc <= _MAX_CANDIDATES_IN_REGISTERS else _SELECT_BLOCK
+    return BeamPlan(chunk=chunk, chunks=C, k1=k1, chunk_warps=_warps(chunk, chunk_per_thread or _CHUNK_PER_THREAD),
+                    select_warps=_warps(block, select_per_thread or _SELECT_PER_THREAD))
 
 
-def beam_topk(logits: Tensor, cum_logp: Tensor, width: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Arguments as :func:`longspec_ops.reference.beam.beam_topk` (already checked)."""
+def beam_topk(logits: Tensor, cum_logp: Tensor, width: int,
+              beam_plan: Optional[BeamPlan] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Arguments as :func:`longspec_ops.reference.beam.beam_topk` (already checked); ``beam_plan`` overrides
+    :func:`plan`'s default."""
     B, P, V = logits.shape
     dev = logits.device
     parent = torch.empty((B, width), dtype=torch.int64, device=dev)
@@ -185,19 +225,19 @@ def beam_topk(logits: Tensor, cum_logp: Tensor, width: int) -> tuple[Tensor, Ten
     cum = cum_logp if cum_logp.dtype == torch.float32 else cum_logp.float()
     if cum.stride(-1) != 1:
         cum = cum.contiguous()
-    chunk, C, k1 = plan(P, V, width)
-    NC = P * C * k1
+    bp = beam_plan or plan(P, V, width)
+    chunk, C, k1 = bp.chunk, bp.chunks, bp.k1
+    NC = bp.candidates(P)
     stats = torch.empty((B * P, C, 2), dtype=torch.float32, device=dev)
     cand = torch.empty((B * P, C, k1), dtype=torch.int64, device=dev)
     lse = torch.empty((B, P), dtype=torch.float32, device=dev)
     in_registers = NC <= _MAX_CANDIDATES_IN_REGISTERS
     keys = cand if in_registers else torch.empty((B, NC), dtype=torch.int64, device=dev)  # unused in registers
-    # 32 columns a thread: up to 1024 columns one warp
     _beam_chunk_kernel[(B * P, C)](logits, logits.stride(0), logits.stride(1), stats, cand, P, V, C, K1=k1,
-                                   CHUNK=chunk, num_warps=_warps(chunk))
+                                   CHUNK=chunk, num_warps=bp.chunk_warps)
     c_pad = triton.next_power_of_2(C)
-    block = triton.next_power_of_2(NC) if in_registers else 2048
+    block = triton.next_power_of_2(NC) if in_registers else _SELECT_BLOCK
     _beam_select_kernel[(B,)](stats, cand, cum, cum.stride(0), lse, keys, parent, column, score, P, V, C, NC,
                               WIDTH=width, K1=k1, BLOCK_P=max(1, min(triton.next_power_of_2(P), 4096 // c_pad)),
-                              C_PAD=c_pad, BLOCK=block, IN_REGISTERS=in_registers, num_warps=_warps(block))
+                              C_PAD=c_pad, BLOCK=block, IN_REGISTERS=in_registers, num_warps=bp.select_warps)
     return parent, column, score

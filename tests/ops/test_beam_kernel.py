@@ -58,12 +58,12 @@ def test_strided_logits_and_many_candidates(monkeypatch):
     wide = torch.randn(2, 6, 700, generator=g).to(DEVICE)
     cum = torch.randn(2, 6, generator=g).to(DEVICE)
     _check(wide[:, 1:5, :600], cum[:, 1:5], 20)
-    assert K.plan(4, 600, 20)[1] * 4 * 20 > 64  # the looped path ran
+    assert K.plan(4, 600, 20).candidates(4) > 64  # the looped path ran
 
 
 def test_plan_keeps_candidates_in_registers_at_model_sizes():
     """A 16-parent level of the 69-node tree over Llama-3's 128k vocabulary or a 32k drafting vocabulary: one select
     program holds every candidate."""
     for V in (2048, 32768, 128256, 151936):
-        chunk, C, k1 = K.plan(16, V, 16)
-        assert 16 * C * k1 <= K._MAX_CANDIDATES_IN_REGISTERS and chunk * C >= V and k1 == 16
+        p = K.plan(16, V, 16)
+        assert p.candidates(16) <= K._MAX_CANDIDATES_IN_REGISTERS and p.chunk * p.chunks >= V and p.k1 == 16
