@@ -1,26 +1,20 @@
-"""Probe (not committed): the draft level's attention calls under the default split plan vs fewer splits."""
-import dataclasses, torch, sys
-from longspec_ops.kernels.configs import split_config
-from longspec_ops.kernels import launch as L
+"""The draft level's attention calls (self-attention over the window + tree keys, cross-attention into the target's
+cache) under the default split plan and forced split sizes, one CUDA graph of 50 calls each, at the shipped pair's
+and published shapes. Usage (GPU): ``python -m benchmarks.probe_draft_attn pair Llama-3-8B``."""
 
-def graph_us(fn, n=50):
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        for _ in range(3): fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n): fn()
-    g.replay(); torch.cuda.synchronize()
-    best = 1e9
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); g.replay(); b.record(); b.synchronize()
-        best = min(best, a.elapsed_time(b) * 1e3 / n)
-    return best
+import dataclasses
+import sys
+
+import torch
+
+from benchmarks.timing import graph_calls_us
+from longspec_ops.kernels import launch as L
+from longspec_ops.kernels.configs import split_config
+
 
 def main():
     from benchmarks.bench_step_latency import target_and_draft
+
     for name in sys.argv[1:]:
         target, draft = target_and_draft(name)
         c = draft.config
@@ -28,31 +22,46 @@ def main():
         dev, dt = "cuda", torch.bfloat16
         print(name, "Hq", Hq, "Hkv", Hkv, "D", D, "window", c.window, flush=True)
         W1 = c.window + 1
-        wk = torch.randn(1, W1, Hkv, D, device=dev, dtype=dt); wv = torch.randn_like(wk)
-        tk = torch.randn(1, 68, Hkv, D, device=dev, dtype=dt); tv = torch.randn_like(tk)
+        wk = torch.randn(1, W1, Hkv, D, device=dev, dtype=dt)
+        wv = torch.randn_like(wk)
+        tk = torch.randn(1, 68, Hkv, D, device=dev, dtype=dt)
+        tv = torch.randn_like(tk)
         lens = torch.full((1,), W1 - 2, dtype=torch.int32, device=dev)
         for M, hi in ((4, 4), (16, 20), (16, 68)):
             q = torch.randn(1, M, Hq, D, device=dev, dtype=dt)
             mask = torch.ones(1, M, hi, dtype=torch.bool, device=dev)
             base = split_config(D, M * (Hq // Hkv), dt, q.device)
-            for label, cfg in (("default", None), ("split512", dataclasses.replace(base, split_rows=512)),
-                               ("direct", dataclasses.replace(base, split_rows=1 << 20)),
-                               ("split256", dataclasses.replace(base, split_rows=256)),
-                               ("split128", dataclasses.replace(base, split_rows=128))):
-                us = graph_us(lambda: L.hybrid_tree_attn(q, wk, wv, lens, tk[:, :hi], tv[:, :hi], mask, D ** -0.5, config=cfg))
+            for label, cfg in (
+                ("default", None),
+                ("split512", dataclasses.replace(base, split_rows=512)),
+                ("direct", dataclasses.replace(base, split_rows=1 << 20)),
+                ("split256", dataclasses.replace(base, split_rows=256)),
+                ("split128", dataclasses.replace(base, split_rows=128)),
+            ):
+                us = graph_calls_us(
+                    lambda: L.hybrid_tree_attn(q, wk, wv, lens, tk[:, :hi], tv[:, :hi], mask, D**-0.5, config=cfg)
+                )
                 print(f"  self M={M} keys={hi} {label}: {us:.2f} us", flush=True)
         for N in (8192, 32768):
-            k = torch.randn(1, N, Hkv, D, device=dev, dtype=dt); v = torch.randn_like(k)
+            k = torch.randn(1, N, Hkv, D, device=dev, dtype=dt)
+            v = torch.randn_like(k)
             ln = torch.full((1,), N - 100, dtype=torch.int32, device=dev)
             for M in (1, 16):
                 q = torch.randn(1, M, Hq, D, device=dev, dtype=dt)
                 base = split_config(D, M * (Hq // Hkv), dt, q.device)
-                for label, rows in (("default", None), ("s1024", 1024), ("s2048", 2048), ("s4096", 4096), ("s512", 512)):
+                for label, rows in (
+                    ("default", None),
+                    ("s1024", 1024),
+                    ("s2048", 2048),
+                    ("s4096", 4096),
+                    ("s512", 512),
+                ):
                     cfg = dataclasses.replace(base, split_rows=rows) if rows else None
-                    us = graph_us(lambda: L.prefix_attn(q, k, v, ln, D ** -0.5, config=cfg))
+                    us = graph_calls_us(lambda: L.prefix_attn(q, k, v, ln, D**-0.5, config=cfg))
                     print(f"  cross N={N} M={M} {label}: {us:.2f} us", flush=True)
         del target, draft
         torch.cuda.empty_cache()
+
 
 if __name__ == "__main__":
     main()

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 
 import torch
 
 from benchmarks.harness import write_results
+from benchmarks.timing import graph_calls_us
 from longspec_ops.kernels import beam as K
 
 # (parents, vocabulary, width): the 4-16-16-16-16 tree's levels over the shipped pair's 2048-token drafting
@@ -22,30 +22,6 @@ SHAPES = [(P, V, w) for V in (2048, 32768, 128256) for P, w in ((1, 4), (4, 16),
 TARGETS = (512, 1024, 2048, 4096)
 CHUNK_PER_THREAD = (4, 8, 16, 32)
 SELECT_PER_THREAD = (2, 4, 8, 32)
-
-
-def graph_us(fn, calls: int = 20, replays: int = 5) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -69,7 +45,7 @@ def main() -> None:
             # Every plan picks the same pairs; scores may differ in the last bit (the lse sums in another order).
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), bp
             assert torch.allclose(got[2], want[2], rtol=1e-6, atol=1e-5), bp
-            seen[bp] = graph_us(lambda: K.beam_topk(logits, cum, w, bp))
+            seen[bp] = graph_calls_us(lambda: K.beam_topk(logits, cum, w, bp))
         ranked = sorted(seen.items(), key=lambda kv: kv[1])
         for bp, us in ranked:
             rows.append({"parents": P, "vocab": V, "width": w, "chunk": bp.chunk, "chunks": bp.chunks, "k1": bp.k1,

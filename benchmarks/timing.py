@@ -64,6 +64,32 @@ class Timer:
         return self._events(graph.replay)
 
 
+
+def graph_calls_us(fn: Callable[[], object], calls: int = 20, replays: int = 5) -> float:
+    """Microseconds per call of ``fn`` run ``calls`` times back to back in one CUDA graph, its inputs warm in L2 (as
+    inside a captured draft step, where the producer has just written them): the median over ``replays``."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
 def measure_peaks(device: torch.device | str = "cuda") -> dict[str, float]:
     """The two ceilings, measured here: device-to-device copy bandwidth (bytes read + written per second) and the
     dense bf16 matmul rate on random data."""
