@@ -13,7 +13,7 @@ from longspec_ops.kernels.configs import split_config
 
 
 def main():
-    from benchmarks.bench_step_latency import target_and_draft
+    from benchmarks.step_parts import target_and_draft
 
     for name in sys.argv[1:]:
         target, draft = target_and_draft(name)
