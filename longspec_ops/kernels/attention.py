@@ -51,6 +51,25 @@ _LN2: tl.constexpr = tl.constexpr(0.6931471805599453)  # log2-unit lse -> natura
 
 # Kernels --------------------------------------------------------------------------------------------------------
 @triton.jit
+def _row_tile(pid_r, bh, HKV, R, BLOCK: tl.constexpr):
+    """Program ``(pid_r, bh)``'s batch row ``b`` (int64), kv head ``hk`` and packed rows ``[pid_r * BLOCK, ...)``
+    with their in-range mask (rows ``r = m * G + g`` of one ``(batch, kv head)`` pair, R of them)."""
+    rows = pid_r * BLOCK + tl.arange(0, BLOCK)
+    return (bh // HKV).to(tl.int64), bh % HKV, rows, rows < R
+
+
+@triton.jit
+def _merge_step(m, acc, den, part_lse, o):
+    """Fold one step of split partials into a running merge: ``part_lse`` [R, S] (log2 units, -inf = empty) and
+    ``o`` [R, S, D] into the running max ``m`` [R], weighted sum ``acc`` [R, D] and weight total ``den`` [R]."""
+    m_new = tl.maximum(m, tl.max(part_lse, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # all partials empty so far: weights 0, not NaN
+    alpha = tl.exp2(m - m_use)
+    w = tl.exp2(part_lse - m_use[:, None])
+    return m_new, acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 1), den * alpha + tl.sum(w, 1)
+
+
+@triton.jit
 def _softmax_step(acc, m_i, l_i, qk, v, qk_scale, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One online-softmax update with raw scores ``qk`` [BLOCK_M, BLOCK_N] (-inf where hidden).
 
@@ -184,14 +203,9 @@ def _split_attn_kernel(
         # grid to finish and its writes to be visible before reading the partials.
         gdc_launch_dependents()
     # Row tiles vary fastest so the programs that share one K/V split run together and re-reads hit L2.
-    pid_r = tl.program_id(0)
     split = tl.program_id(1)
     bh = tl.program_id(2)
-    b = (bh // HKV).to(tl.int64)
-    hk = bh % HKV
-
-    rows = pid_r * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < R
+    b, hk, rows, row_ok = _row_tile(tl.program_id(0), bh, HKV, R, BLOCK_M)
     m_r = rows // G  # query index of each packed row
     h_r = hk * G + rows % G  # query head of each packed row
     offs_d = tl.arange(0, D_PAD)
@@ -262,12 +276,8 @@ def _merge_splits_kernel(
 ):
     if PDL:
         gdc_wait()  # the split kernel's partials are complete and visible past this point
-    pid_r = tl.program_id(0)
     bh = tl.program_id(1)
-    b = (bh // HKV).to(tl.int64)
-    hk = bh % HKV
-    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < R
+    b, hk, rows, row_ok = _row_tile(tl.program_id(0), bh, HKV, R, BLOCK_R)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < D
     offs_s = tl.arange(0, BLOCK_S)
@@ -284,13 +294,7 @@ def _merge_splits_kernel(
         part_lse = tl.load(WS_LSE + ws + (splits[None, :] * R + rows[:, None]), mask=ok, other=float("-inf"))
         o = tl.load(WS_O + (ws + splits[None, :, None] * R + rows[:, None, None]) * D + offs_d[None, None, :],
                     mask=ok[:, :, None] & d_ok[None, None, :], other=0.0)
-        m_new = tl.maximum(m, tl.max(part_lse, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # all partials empty so far: weights 0, not NaN
-        alpha = tl.exp2(m - m_use)
-        w = tl.exp2(part_lse - m_use[:, None])
-        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 1)
-        den = den * alpha + tl.sum(w, 1)
-        m = m_new
+        m, acc, den = _merge_step(m, acc, den, part_lse, o)
     seen = den > 0.0
     den_safe = tl.where(seen, den, 1.0)
     out = acc / den_safe[:, None]

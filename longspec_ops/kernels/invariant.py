@@ -34,7 +34,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .attention import _LN2
+from .attention import _LN2, _merge_step, _row_tile
 
 
 # Linear ---------------------------------------------------------------------------------------------------------
@@ -265,13 +265,9 @@ def _invariant_merge_kernel(
     # (chunk c holds splits [c * BLOCK_S, (c + 1) * BLOCK_S)), the chunks in ascending order; inside a chunk one
     # fixed-shape reduction. Splits past a row's last are exact no-ops (weight 0, scale 1), so a row's result
     # depends on its own splits only, never on its neighbours or on the launch.
-    pid_r = tl.program_id(0)
     pid_d = tl.program_id(1)
     bh = tl.program_id(2)
-    b = (bh // HKV).to(tl.int64)
-    hk = bh % HKV
-    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < R
+    b, hk, rows, row_ok = _row_tile(tl.program_id(0), bh, HKV, R, BLOCK_R)
     m_r = rows // G
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
@@ -291,13 +287,7 @@ def _invariant_merge_kernel(
         part = tl.load(WS_LSE + cell, mask=ok, other=float("-inf"))
         o = tl.load(WS_O + cell[:, :, None] * D + offs_d[None, None, :], mask=ok[:, :, None] & d_ok[None, None, :],
                     other=0.0)  # [R, S, BLOCK_D]
-        m_new = tl.maximum(m, tl.max(part, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_use)
-        w = tl.exp2(part - m_use[:, None])
-        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 1)
-        den = den * alpha + tl.sum(w, 1)
-        m = m_new
+        m, acc, den = _merge_step(m, acc, den, part, o)
     seen = den > 0.0
     den_safe = tl.where(seen, den, 1.0)
     out = acc / den_safe[:, None]
