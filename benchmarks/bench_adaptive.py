@@ -77,8 +77,8 @@ def pair_prompts(tokenizer, contexts, n: int) -> dict[int, tuple[list[torch.Tens
     return out
 
 
-def merged_budget(explore: float = 1.0) -> AdaptiveBudget:
-    return AdaptiveBudget(budgets=MERGED_BUDGETS, depths=MERGED_DEPTHS, explore=explore)
+def merged_budget(explore: float = 1.0, stats=None) -> AdaptiveBudget:
+    return AdaptiveBudget(budgets=MERGED_BUDGETS, depths=MERGED_DEPTHS, explore=explore, stats=stats)
 
 
 def merged_spec(tree: tuple) -> TreeSpec:

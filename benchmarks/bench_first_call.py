@@ -6,6 +6,9 @@ then at each context one held-out prompt is decoded three times: the first call,
 steady speed. Reported: the warm-up's seconds, decode tokens/s of the first call and the steady ones, their ratio,
 and the graphs the first call captured (0 when the warm-up covered it). ``--warmup-batches`` also times the
 adaptive merged decoder's warm-up for several batch sizes at the longest context, part by part.
+``--learn-prompts K`` adds the adaptive decoder started from saved statistics (``AdaptiveBudget(stats=...)``): a first
+decoder decodes K other held-out prompts at every context and saves its budget's statistics, then a new decoder is
+built from them, warmed up and measured as above.
 
 Usage (GPU): ``python -m benchmarks.bench_first_call --contexts 16384 32768 --compile --warmup-batches 1 16``.
 """
@@ -24,20 +27,41 @@ from longspec import LongSpecDrafter, PromptLookupDrafter, SpeculativeDecoder
 from longspec.pretrained import heldout_stdlib_prompt, load_code_pair
 
 
-def methods(draft) -> dict:
-    """name -> (drafter factory, tree, budget factory)."""
-    return {
+SAVED = f"{ADAPTIVE}, saved statistics"
+
+
+def methods(draft, stats=None) -> dict:
+    """name -> (drafter factory, tree, budget factory); ``stats``: the saved statistics of the ``SAVED`` method."""
+    out = {
         "plain": (lambda: None, (1,), None),
         "PLD chain 6": (PromptLookupDrafter, (1,) * 6, None),
         "LongSpec tree": (lambda: LongSpecDrafter(draft), TREE, None),
         ADAPTIVE: (lambda: merged_drafter(draft), merged_spec(TREE), merged_budget),
     }
+    if stats is not None:
+        out[SAVED] = (lambda: merged_drafter(draft), merged_spec(TREE), lambda: merged_budget(stats=stats))
+    return out
 
 
-def first_call_rows(pair, prompts: dict, new_tokens: int, compile: bool, names) -> list[dict]:
+def learn_stats(pair, prompts: list, new_tokens: int) -> str:
+    """Decode ``prompts`` with a fresh adaptive decoder; the path of its budget's saved statistics."""
+    budget = merged_budget()
+    dec = SpeculativeDecoder(pair.target, merged_drafter(pair.draft), tree_shape=merged_spec(TREE), cuda_graphs=True,
+                             budget=budget)
+    dec.warmup(batch_sizes=(1,), max_context=max(p.shape[1] for p in prompts) + new_tokens, progress=False)
+    for ids in prompts:
+        dec.generate(ids, new_tokens, eos_token_id=[])
+    path = tempfile.mkdtemp() + "/stats.pt"
+    budget.save_stats(path)
+    del dec
+    torch.cuda.empty_cache()
+    return path
+
+
+def first_call_rows(pair, prompts: dict, new_tokens: int, compile: bool, names, stats=None) -> list[dict]:
     rows = []
     longest = max(p.shape[1] for p in prompts.values())
-    for name, (factory, shape, budget) in methods(pair.draft).items():
+    for name, (factory, shape, budget) in methods(pair.draft, stats).items():
         if names and name not in names:
             continue
         dec = SpeculativeDecoder(pair.target, factory(), tree_shape=shape, cuda_graphs=True, compile=compile,
@@ -87,6 +111,8 @@ def main(argv=None) -> None:
     p.add_argument("--compile-methods", nargs="*", default=["LongSpec tree"], help="methods run with compile=True")
     p.add_argument("--methods", nargs="*", default=None, help="methods run without compile (default: all)")
     p.add_argument("--warmup-batches", type=int, nargs="*", default=[])
+    p.add_argument("--learn-prompts", type=int, default=0,
+                   help="held-out prompts per context (other seeds) the saved-statistics decoder learns from first")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -94,12 +120,18 @@ def main(argv=None) -> None:
     pair = load_code_pair("cuda", torch.bfloat16)
     prompts = {c: heldout_stdlib_prompt(pair.tokenizer, c, seed=args.prompt_seed)[0].cuda() for c in args.contexts}
     t0 = time.perf_counter()
-    rows = first_call_rows(pair, prompts, args.new_tokens, False, args.methods)
+    stats = None
+    if args.learn_prompts:
+        learn = [heldout_stdlib_prompt(pair.tokenizer, c, seed=args.prompt_seed + 1 + i)[0].cuda()
+                 for i in range(args.learn_prompts) for c in args.contexts]
+        stats = learn_stats(pair, learn, args.new_tokens)
+    rows = first_call_rows(pair, prompts, args.new_tokens, False, args.methods, stats)
     if args.compile:
         rows += first_call_rows(pair, prompts, args.new_tokens, True, args.compile_methods)
     if args.warmup_batches:
         rows += warmup_rows(pair, args.warmup_batches, max(args.contexts), args.new_tokens)
     meta = {"contexts": args.contexts, "new_tokens": args.new_tokens, "prompt_seed": args.prompt_seed,
+            "learn_prompts": args.learn_prompts,
             "dtype": "bfloat16", "seconds": time.perf_counter() - t0}
     columns = [("method", "method", ""), ("compile", "compile", ""), ("context", "context", ""),
                ("batch", "batch", ""), ("warmup_s", "warm-up s", ".1f"), ("first_tok_s", "first tok/s", ".0f"),

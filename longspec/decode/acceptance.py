@@ -16,6 +16,9 @@ DECAY = 1.0 - 1.0 / 2048  # per round: the counts forget rounds older than a few
 REALISED_RATE = 0.2  # weight of the newest round in an option's running realised tau (scored every round)
 
 
+_STATE = ("proposed", "accepted", "realised", "seen", "mass")
+
+
 @dataclass
 class Exploration:
     """One run's host-side record for the choice: ``scored[k]``, the discounted count of recent rounds whose tree
@@ -46,6 +49,25 @@ class AcceptanceStats:
         self.seen = torch.zeros(num_options, dtype=torch.bool, device=device)
         self.mass = torch.zeros(num_options, device=device)  # weight of the rounds behind each running mean
         self.exploration = Exploration([0.0] * num_options)  # host side: AdaptiveBudget.choose counts into it
+
+    def state(self) -> dict:
+        """The counts, running means and exploration counts, on the CPU (:meth:`AdaptiveBudget.save_stats`)."""
+        state = {name: getattr(self, name).cpu() for name in _STATE}
+        state.update(scored=list(self.exploration.scored), rounds=self.exploration.rounds)
+        return state
+
+    def load_state(self, state: dict) -> None:
+        """Take the values of a :meth:`state` in place (graphs captured over these tensors keep reading them)."""
+        for name in _STATE:
+            mine, saved = getattr(self, name), state[name]
+            if saved.shape != mine.shape or saved.dtype != mine.dtype:
+                raise ValueError(f"saved statistics: {name} is {saved.dtype} {list(saved.shape)}, this budget's is "
+                                 f"{mine.dtype} {list(mine.shape)}")
+            mine.copy_(saved)
+        if len(state["scored"]) != len(self.exploration.scored):
+            raise ValueError(f"saved statistics: {len(state['scored'])} options scored, this budget has "
+                             f"{len(self.exploration.scored)}")
+        self.exploration = Exploration([float(n) for n in state["scored"]], float(state["rounds"]))
 
     def tensors(self) -> list[Tensor]:
         """What the draft and tail steps mutate (restored after their graph warm-up runs)."""

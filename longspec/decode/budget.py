@@ -129,6 +129,9 @@ class AdaptiveBudget:
             then options the chosen trees do not contain keep their first estimates).
         window: rounds of memory of the counts behind the bonus (each round's count decays by ``1 - 1 / window``).
         cache_dir: where calibrations are kept (default ``$LONGSPEC_CACHE_DIR`` or ``~/.cache/longspec``).
+        stats: acceptance statistics saved by :meth:`save_stats` (a path) to start from instead of none, so the
+            first ``generate`` chooses as a warmed-up decoder would (for the same options, drafters and prompts of
+            the same kind; they keep adapting from there).
 
     One instance serves one decoder (its statistics are that decoder's); pass it as
     ``SpeculativeDecoder(..., budget=AdaptiveBudget())``.
@@ -136,7 +139,8 @@ class AdaptiveBudget:
 
     def __init__(self, costs: CostModel | str | os.PathLike | None = None,
                  budgets: Sequence[int] = (2, 4, 8, 16, 32, 64), depths: Sequence[int] = (2, 3, 5), options: Optional[Sequence[BudgetOption]] = None,
-                 explore: float = 1.0, window: int = 64, cache_dir: Optional[str | os.PathLike] = None) -> None:
+                 explore: float = 1.0, window: int = 64, cache_dir: Optional[str | os.PathLike] = None,
+                 stats: str | os.PathLike | None = None) -> None:
         if costs is not None and not isinstance(costs, CostModel):
             costs = CostModel.load(costs)
         for name, values in (("budgets", budgets), ("depths", depths)):
@@ -154,6 +158,7 @@ class AdaptiveBudget:
         self.options: list[BudgetOption] = []
         self.spec: Optional[TreeSpec] = None
         self._stats: dict[tuple, AcceptanceStats] = {}
+        self._saved = None if stats is None else _read_stats(stats)
 
     @property
     def costs(self) -> Optional[CostModel]:
@@ -182,6 +187,9 @@ class AdaptiveBudget:
         self._scores = [[j for j, o in enumerate(options) if j == i or _surely_contains(options[i], o)]
                         for i in range(len(options))]
         self._stats.clear()
+        if self._saved is not None and self._saved["options"] != [o.label for o in options]:
+            raise ValueError(f"AdaptiveBudget(stats=...): the statistics were saved for the options "
+                             f"{self._saved['options']}, this decoder's are {[o.label for o in options]}")
         self._lines = {}
         self._pool_groups: dict[tuple, _PoolGroups] = {}  # (draft key, device) -> the options its pool estimates
         self._chain_scoring: dict[tuple, tuple[Tensor, Tensor]] = {}  # (option, rows, device) -> within, contained
@@ -209,11 +217,22 @@ class AdaptiveBudget:
 
     def stats_for(self, key: tuple, device: torch.device) -> AcceptanceStats:
         """The statistics of one sampling setting (acceptance differs with the temperature) on one device."""
-        key = (*key, str(device))
-        if key not in self._stats:
+        full = (*key, str(device))
+        if full not in self._stats:
             parts = max(1, len(self.spec.parts))
-            self._stats[key] = AcceptanceStats(parts, self.spec.depth, len(self.options), device)
-        return self._stats[key]
+            self._stats[full] = AcceptanceStats(parts, self.spec.depth, len(self.options), device)
+            saved = self._saved["stats"].get(repr(tuple(key))) if self._saved is not None else None
+            if saved is not None:
+                self._stats[full].load_state(saved)
+        return self._stats[full]
+
+    def save_stats(self, path: str | os.PathLike) -> None:
+        """Write the acceptance statistics learned so far (every sampling setting; one device's where several were
+        used) for ``AdaptiveBudget(stats=path)``."""
+        if self.spec is None:
+            raise RuntimeError("AdaptiveBudget.save_stats: the budget has no decoder yet (nothing learned)")
+        stats = {repr(tuple(key[:-1])): s.state() for key, s in self._stats.items()}
+        torch.save({"version": _STATS_VERSION, "options": [o.label for o in self.options], "stats": stats}, path)
 
     def choose(self, context: float, batch: int, realised: Sequence[float], seen: Sequence[bool],
                exploration: Exploration, tail: Optional[str] = None) -> int:
@@ -395,6 +414,17 @@ class _PoolGroups:
                    None if bits[0] is None else tensor(bits)[:, None, None],
                    tensor([j for _, j, _ in members]), tensor([g for g, _, _ in members]),
                    tensor([n for _, _, n in members])[:, None, None], {j: g for g, j, _ in members})
+
+
+_STATS_VERSION = 1
+
+
+def _read_stats(path: str | os.PathLike) -> dict:
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(saved, dict) or saved.get("version") != _STATS_VERSION:
+        raise ValueError(f"AdaptiveBudget(stats={str(path)!r}): not statistics written by AdaptiveBudget.save_stats "
+                         f"(version {_STATS_VERSION})")
+    return saved
 
 
 def _part_bits(spec: TreeSpec) -> int:

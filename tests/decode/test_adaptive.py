@@ -269,6 +269,45 @@ def test_adaptive_converges_to_plain_when_nothing_is_accepted(explore):
         assert 1 <= trees <= len(later) // 4, later
 
 
+def test_saved_statistics_start_a_new_decoder_where_the_last_left_off(tmp_path):
+    """A budget that learned that prompt lookup accepts nothing here saves its statistics; a new decoder's budget
+    loaded from them verifies plain rounds from its first round on (a fresh one opens with two rounds of the largest
+    option), and its output is still transformers' greedy decoding. Statistics saved for other options, or a file
+    that is not one, are refused by name."""
+    target = tiny_target(FAMILY)
+    make, shape = DRAFTERS["pld"]
+    ids, mask, want, scores = greedy_reference()
+    options = default_options(TreeSpec(shape), (2, 4, 8), (2,))
+
+    def decoder(**kw):
+        budget = AdaptiveBudget(explore=0.0, budgets=(2, 4, 8), depths=(2,), **kw)
+        budget.costs = unit_costs(options, per_node=0.3, plain=7.0)
+        return SpeculativeDecoder(target, make(target), tree_shape=shape, budget=budget), budget
+
+    first, budget = decoder()
+    out = first.generate(ids, max_new_tokens=NEW, attention_mask=mask)
+    assert out.stats.option_per_round[:2] == [budget.options[budget.largest].label] * 2
+    path = tmp_path / "stats.pt"
+    budget.save_stats(path)
+    learned = {key: [t.clone() for t in s.tensors()] for key, s in budget._stats.items()}
+
+    second, loaded = decoder(stats=path)
+    out = second.generate(ids, max_new_tokens=NEW, attention_mask=mask)
+    assert_same_tokens(out.sequences, want, scores, start=ids.shape[1])
+    assert out.stats.option_per_round == ["plain"] * out.stats.rounds
+    (key, stats), = loaded._stats.items()
+    assert stats.seen.any() and torch.equal(stats.realised, learned[key][2])
+
+    with pytest.raises(ValueError, match="saved for the options"):
+        SpeculativeDecoder(target, make(target), tree_shape=shape,
+                           budget=AdaptiveBudget(budgets=(2, 4), depths=(2,), stats=path))
+    torch.save({"something": 1}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="not statistics written by AdaptiveBudget.save_stats"):
+        AdaptiveBudget(stats=tmp_path / "other.pt")
+    with pytest.raises(RuntimeError, match="no decoder yet"):
+        AdaptiveBudget().save_stats(tmp_path / "none.pt")
+
+
 @pytest.mark.parametrize("option", ["plain", "depth2-pruned", "part1-only", "whole"])
 def test_every_option_kind_is_exact(option):
     """Each kind of option, verified every round (the drafters catch up through ``observe`` when left out)."""
