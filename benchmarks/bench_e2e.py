@@ -16,7 +16,10 @@ context x context score matrices do not fit), Vanilla FA (the engine's plain dec
 (4-16-16-16-16), LongSpec chain (5) and the adaptive merged drafter (LongSpec tree + PLD chain in one tree under an
 :class:`~longspec.AdaptiveBudget`, calibrated at each context first), plus every ablation draft the recipe trained.
 Each engine method builds one decoder per context (one warm-up, one graph capture) and decodes every prompt at every
-temperature with it.
+temperature with it. ``--prompt-kinds`` picks the held-out prompts (:func:`longspec.train.corpus.heldout_prompts`):
+``repository`` (one package's files, the default), ``packages`` (files of several packages in turn) and
+``skeleton`` (several packages' outlines, so the continuation is mostly not in the prompt); each kind is its own set
+of rows (column ``prompts``; the plot shows the first kind).
 Contexts run in the order given, and the results are rewritten after each, so a run cut short keeps what it
 measured; ``--merge`` combines runs split over several device calls.
 Usage (GPU): ``python -m benchmarks.bench_e2e --pair DIR --contexts 32768 65536 16384 8192 4096 --out RESULTS``.
@@ -37,7 +40,7 @@ from benchmarks.harness import write_results as write_results_files
 from longspec import (LongSpecDraft, LongSpecDrafter, Numerics, PromptLookupDrafter, SpeculativeDecoder,
                       StreamingSelfDrafter)
 from longspec.testing import first_difference
-from longspec.train.corpus import heldout_prompts
+from longspec.train.corpus import PROMPT_KINDS, heldout_prompts
 
 VANILLA_HF, VANILLA_FA = "Vanilla HF", "Vanilla FA"
 
@@ -214,14 +217,14 @@ def run_hf(pair: Pair, prompts, new_tokens: int, temperature: float, device: str
 
 def bench(pair: Pair, contexts, n_prompts: int, new_tokens: int, temperatures, device: str, hf: bool,
           on_rows=None, compile: bool = False, only: Optional[Sequence[str]] = None,
-          numerics: str = "fast") -> list[dict]:
+          numerics: str = "fast", kinds: Sequence[str] = ("repository",)) -> list[dict]:
     """Every method (or those named in ``only``; Vanilla FA always, as the baseline) at every (context,
     temperature), contexts in the order given; ``on_rows(rows)`` is called after each context (so a run cut short
     keeps what it measured). ``compile``: the decoders' ``compile=True`` (compiled in each method's warm-up);
-    ``numerics``: their :class:`~longspec.Numerics`, by name."""
+    ``numerics``: their :class:`~longspec.Numerics`, by name; ``kinds``: the prompt kinds, each its own rows."""
     rows = []
-    for ctx in contexts:
-        prompts, packages = heldout_prompts(pair.heldout, pair.tokenizer, ctx, n_prompts, seed=ctx)
+    for ctx, kind in [(c, k) for c in contexts for k in kinds]:
+        prompts, packages = heldout_prompts(pair.heldout, pair.tokenizer, ctx, n_prompts, seed=ctx, kind=kind)
         prompts = [p.to(device) for p in prompts]
         results = {t: {} for t in temperatures}
         if hf:
@@ -245,13 +248,14 @@ def bench(pair: Pair, contexts, n_prompts: int, new_tokens: int, temperatures, d
                              if d is not None]
                     same, first = not diffs, (min(diffs) if diffs else None)
                 speedup = r["tokens_per_s"] / base["tokens_per_s"] if r["tokens_per_s"] else None
-                rows.append({"context": ctx, "T": temperature, "method": name, **r, "speedup_vs_FA": speedup,
+                rows.append({"context": ctx, "prompts": kind, "T": temperature, "method": name, **r,
+                             "speedup_vs_FA": speedup,
                              "identical_to_FA": same, "first_difference": first, "packages": packages})
                 if r.get("error"):
-                    print(f"ctx {ctx:6d} T {temperature} {name:32s} {r['error']}", flush=True)
+                    print(f"ctx {ctx:6d} {kind} T {temperature} {name:32s} {r['error']}", flush=True)
                     continue
                 peak = f" peak {r['peak_bytes'] / 2**20:.0f} MB" if r["peak_bytes"] is not None else ""
-                print(f"ctx {ctx:6d} T {temperature} {name:32s} tau {r['tau']:.2f} "
+                print(f"ctx {ctx:6d} {kind} T {temperature} {name:32s} tau {r['tau']:.2f} "
                       f"{r['tokens_per_s']:8.1f} tok/s x{speedup:.2f} same={same}{peak}", flush=True)
         if on_rows is not None:
             on_rows(rows)
@@ -262,7 +266,7 @@ def _mb(x):
     return None if x is None else x / 2**20
 
 
-COLUMNS = [("context", "context", ""), ("T", "T", ""), ("method", "method", ""), ("tau", "tau", ".2f"),
+COLUMNS = [("context", "context", ""), ("prompts", "prompts", ""), ("T", "T", ""), ("method", "method", ""), ("tau", "tau", ".2f"),
            ("tokens_per_s", "tokens/s", ".1f"), ("speedup_vs_FA", "speedup vs FA", ".2f"),
            ("capture_ms_per_call", "graph capture ms/call", ".0f"), ("nodes_per_round", "nodes/round", ".1f"),
            ("peak_mb", "peak MB", ".0f"), ("peak_extra_mb", "peak over start MB", ".0f"),
@@ -274,7 +278,7 @@ COLUMNS = [("context", "context", ""), ("T", "T", ""), ("method", "method", ""),
 def write_results(rows: list[dict], meta: dict, out_dir: str | None, env: dict | None = None,
                   suite: str = "e2e") -> None:
     """<suite>.json / .md (rows by context and temperature, methods in their order) and .png."""
-    rows = sorted(rows, key=lambda r: (r["context"], r["T"]))  # stable: methods keep their order
+    rows = sorted(rows, key=lambda r: (r["context"], _kind(r), r["T"]))  # stable: methods keep their order
     table = [{**r, "draft_mb": r["draft_bytes"] / 2**20, "tree_scratch_mb": r["tree_scratch_bytes"] / 2**20,
               "peak_mb": _mb(r.get("peak_bytes")), "peak_extra_mb": _mb(r.get("peak_extra_bytes")),
               "depth_acceptance": "/".join(f"{a:.2f}" for a in r["accept_by_depth"])
@@ -303,7 +307,7 @@ def merge_results(paths: list[str]) -> tuple[list[dict], dict, dict]:
                       os.path.basename(path), **data.get("meta", {}),
                       "git_sha": data.get("environment", {}).get("git_sha")})
         for r in data["rows"]:
-            rows[(r["context"], r["T"], r["method"])] = r
+            rows[_key(r)] = r
     return list(rows.values()), {"merged": metas}, env or {}
 
 
@@ -315,6 +319,8 @@ def plot_results(rows: list[dict], out_path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    first = _kind(rows[0]) if rows else None
+    rows = [r for r in rows if _kind(r) == first]
     temps = sorted({r["T"] for r in rows})
     names = list(dict.fromkeys(r["method"] for r in rows))
     panels = [("tau", "tau (tokens per target forward)"), ("speedup_vs_FA", "decode tokens/s over Vanilla FA"),
@@ -342,11 +348,19 @@ def plot_results(rows: list[dict], out_path) -> None:
 
 def annotate_fp32(rows: list[dict], fp32_rows: list[dict]) -> None:
     """Set ``identical_fp32`` on every row that the float32 check also ran (same context, T and method)."""
-    same = {(r["context"], r["T"], r["method"]): r["identical_to_FA"] for r in fp32_rows}
+    same = {_key(r): r["identical_to_FA"] for r in fp32_rows}
     for r in rows:
-        key = (r["context"], r["T"], r["method"])
-        if key in same:
-            r["identical_fp32"] = same[key]
+        if _key(r) in same:
+            r["identical_fp32"] = same[_key(r)]
+
+
+def _kind(row: dict) -> str:
+    return row.get("prompts", "repository")  # rows of runs before prompt kinds existed are repository prompts
+
+
+def _key(row: dict) -> tuple:
+    """What identifies a row across runs: (context, prompt kind, T, method)."""
+    return row["context"], _kind(row), row["T"], row["method"]
 
 
 def _positive(text: str) -> int:
@@ -377,6 +391,8 @@ def main(argv=None) -> None:
     ap.add_argument("--contexts", type=_positive, nargs="+", default=[4096, 8192, 16384, 32768, 65536],
                     help="prompt lengths, run in this order (put the ones that matter most first)")
     ap.add_argument("--prompts", type=_positive, default=4)
+    ap.add_argument("--prompt-kinds", nargs="+", choices=PROMPT_KINDS, default=["repository"],
+                    help="held-out prompt kinds, each its own rows (see longspec.train.corpus.heldout_prompts)")
     ap.add_argument("--new-tokens", type=_positive, default=256)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--no-hf", action="store_true", help="skip Vanilla HF (slow at long context)")
@@ -425,17 +441,18 @@ def main(argv=None) -> None:
     if a.methods and not set(a.methods) <= names:
         ap.error(f"argument --methods: unknown {sorted(set(a.methods) - names)}; the methods are {sorted(names)}")
     meta = {"device": a.device, "dtype": str(dtype), "prompts_per_context": a.prompts, "new_tokens": a.new_tokens,
-            "compile": a.compile, "numerics": a.numerics}
+            "compile": a.compile, "numerics": a.numerics, "prompt_kinds": a.prompt_kinds}
     with torch.inference_mode():
         rows = bench(pair, a.contexts, a.prompts, a.new_tokens, a.temperatures, a.device, hf=not a.no_hf,
                      on_rows=lambda rows: write_results(rows, meta, a.out), compile=a.compile, only=a.methods,
-                     numerics=a.numerics)
+                     numerics=a.numerics, kinds=a.prompt_kinds)
     if a.fp32_check:
         del pair
         pair32 = load_pair(a.pair, a.device, torch.float32, a.heldout)
         meta32 = {**meta, "dtype": str(torch.float32), "prompts_per_context": 1, "new_tokens": a.fp32_new_tokens}
         with torch.inference_mode():
-            fp32_rows = bench(pair32, a.fp32_check, 1, a.fp32_new_tokens, a.temperatures, a.device, hf=False)
+            fp32_rows = bench(pair32, a.fp32_check, 1, a.fp32_new_tokens, a.temperatures, a.device, hf=False,
+                              kinds=a.prompt_kinds)
         write_results(fp32_rows, meta32, a.out, suite="e2e_fp32")
         annotate_fp32(rows, fp32_rows)
         write_results(rows, {**meta, "fp32_check": {"contexts": a.fp32_check, "new_tokens": a.fp32_new_tokens}},

@@ -17,9 +17,11 @@ import json
 from benchmarks.harness import write_results
 
 
-def project(e2e_rows: list[dict], step_rows: list[dict], context: int, method: str) -> list[dict]:
-    """One row per (model, compile, temperature) measured at ``context``."""
-    pair_rows = {r["T"]: r for r in e2e_rows if r["context"] == context and r["method"] == method}
+def project(e2e_rows: list[dict], step_rows: list[dict], context: int, method: str,
+            prompts: str = "repository") -> list[dict]:
+    """One row per (model, compile, temperature) measured at ``context`` on ``prompts`` (a bench_e2e prompt kind)."""
+    pair_rows = {r["T"]: r for r in e2e_rows if r["context"] == context and r["method"] == method
+                 and r.get("prompts", "repository") == prompts}
     if not pair_rows:
         raise ValueError(f"no {method!r} row at context {context} in the e2e results")
     steps = [r for r in step_rows if r["context"] == context and r["model"] != "pair"
@@ -51,6 +53,7 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", required=True, help="bench_step_latency's step_latency.json")
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--method", default="LongSpec tree")
+    ap.add_argument("--prompts", default="repository", help="the bench_e2e prompt kind whose acceptance to project")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     with open(a.e2e) as f:
@@ -58,7 +61,7 @@ def main(argv=None) -> None:
     with open(a.steps) as f:
         steps = json.load(f)
     try:
-        rows = project(e2e["rows"], steps["rows"], a.context, a.method)
+        rows = project(e2e["rows"], steps["rows"], a.context, a.method, a.prompts)
     except ValueError as err:
         ap.error(str(err))
     meta = {"e2e": a.e2e, "e2e_git_sha": e2e.get("environment", e2e.get("meta", {})).get("git_sha"),

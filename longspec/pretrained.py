@@ -65,9 +65,10 @@ def load_code_pair(device: Optional[str | torch.device] = None, dtype: Optional[
 
 
 def heldout_stdlib_prompt(tokenizer, context: int, seed: int = 0, heldout_frac: float = 0.1,
-                          stdlib: Optional[str] = None) -> tuple[torch.Tensor, str]:
-    """A repository-level completion prompt of exactly ``context`` tokens from a held-out package of this
-    interpreter's standard library (``heldout_frac`` must be the pair's). Returns (int64 ``[1, context]``, package).
+                          stdlib: Optional[str] = None, kind: str = "repository") -> tuple[torch.Tensor, str]:
+    """A completion prompt of exactly ``context`` tokens from the held-out packages of this interpreter's standard
+    library (``heldout_frac`` must be the pair's); ``kind`` as :func:`longspec.train.corpus.heldout_prompts`
+    (``"repository"``: one package). Returns (int64 ``[1, context]``, its package(s)).
 
     Raises ValueError when no held-out package here has enough text for ``context`` tokens.
     """
@@ -76,7 +77,7 @@ def heldout_stdlib_prompt(tokenizer, context: int, seed: int = 0, heldout_frac: 
     root = stdlib or sysconfig.get_paths()["stdlib"]
     with tempfile.TemporaryDirectory(prefix="longspec-heldout-") as tmp:
         corpus = build_corpus(tmp, roots=[root], heldout_frac=heldout_frac, splits=("heldout",))
-        prompts, packages = heldout_prompts(corpus.heldout_jsonl, tokenizer, context, n=1, seed=seed)
+        prompts, packages = heldout_prompts(corpus.heldout_jsonl, tokenizer, context, n=1, seed=seed, kind=kind)
     return prompts[0], packages[0]
 
 

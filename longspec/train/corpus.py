@@ -10,6 +10,7 @@ whole corpus is never in memory); ``path`` is relative to its root and so starts
 """
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import os
@@ -231,22 +232,35 @@ def _fill_context(jsonl: str, files: list[_FileRef], tokenizer, need: int) -> li
     return None
 
 
-def heldout_prompts(heldout_jsonl: str, tokenizer, budget_tokens: int, n: int, seed: int = 0,
-                    prefix_tokens: int | None = None) -> tuple[list[torch.Tensor], list[str]]:
-    """``n`` repository-level code-completion prompts from held-out packages.
+PROMPT_KINDS = ("repository", "packages", "skeleton")
 
-    Each prompt is LongTensor ``[1, budget_tokens]``: files of ONE held-out package, each after a
-    ``# file: <relative path>`` line, then the header and first ``prefix_tokens`` tokens (default
-    ``max(16, budget_tokens // 16)``, its newline and header included) of another file of the same package, which goes on after the
-    prompt ends, so the model continues a file. Packages are drawn without replacement in a seeded order (one
-    prompt each while enough remain, then again with other files); packages with too little text are skipped.
-    Returns (prompts, source package names). Raises ValueError if the held-out set cannot give one prompt.
+
+def heldout_prompts(heldout_jsonl: str, tokenizer, budget_tokens: int, n: int, seed: int = 0,
+                    prefix_tokens: int | None = None, kind: str = "repository") -> tuple[list[torch.Tensor], list[str]]:
+    """``n`` code-completion prompts from held-out packages, each LongTensor ``[1, budget_tokens]``: context files,
+    each after a ``# file: <relative path>`` line, then the header and first ``prefix_tokens`` tokens (default
+    ``max(16, budget_tokens // 16)``, its newline and header included) of a file that goes on after the prompt ends,
+    so the model continues a file. ``kind``:
+
+    * ``"repository"``: the context is other files of ONE package (the continued file's). Packages are drawn without
+      replacement in a seeded order (one prompt each while enough remain, then again with other files); packages
+      with too little text are skipped. Names: the package.
+    * ``"packages"``: the context is whole files of SEVERAL packages, taken in turn from each (seeded orders), so no
+      one package (the standard library's large ``test``) makes up a long prompt. Names: the packages, ``+``-joined.
+    * ``"skeleton"``: as ``"packages"``, but each context file is its :func:`skeleton` (signatures and docstrings, no
+      bodies), the continued file's own among them: the continuation is mostly code the prompt does not contain.
+
+    Returns (prompts, names). Raises ValueError if the held-out set cannot give one prompt.
     """
+    if kind not in PROMPT_KINDS:
+        raise ValueError(f"kind must be one of {PROMPT_KINDS}, got {kind!r}")
     prefix = prefix_tokens if prefix_tokens is not None else max(16, budget_tokens // 16)
     if not 0 < prefix < budget_tokens:
         raise ValueError(f"prefix_tokens ({prefix}) must be in (0, budget_tokens={budget_tokens})")
     rng = random.Random(seed)
     index = _index_packages(heldout_jsonl)
+    if kind != "repository":
+        return _pooled_prompts(heldout_jsonl, index, tokenizer, budget_tokens, prefix, n, rng, kind == "skeleton")
     # A prompt needs at least budget characters' worth of text (a byte-level BPE token covers >= 1 character).
     candidates = sorted(p for p, fs in index.items() if len(fs) >= 2 and sum(f.chars for f in fs) >= budget_tokens)
     rng.shuffle(candidates)
@@ -264,4 +278,79 @@ def heldout_prompts(heldout_jsonl: str, tokenizer, budget_tokens: int, n: int, s
         candidates = usable
     if not prompts:
         raise ValueError(f"no held-out package in {heldout_jsonl} has {budget_tokens} tokens over >= 2 files")
+    return prompts, names
+
+
+def skeleton(source: str) -> str | None:
+    """A module's outline: its docstring and its classes' and functions' signatures and docstrings (methods kept
+    inside their classes, every body else ``...``); None when it does not parse as Python."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return None
+    defs = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+
+    def outline(node):
+        doc = ast.get_docstring(node, clean=False) if isinstance(node, (ast.Module, *defs)) else None
+        keep = [outline(c) for c in node.body if isinstance(c, defs)] if isinstance(node, (ast.Module, ast.ClassDef)) \
+            else []
+        node.body = ([ast.Expr(ast.Constant(doc))] if doc is not None else []) + keep
+        if not node.body and not isinstance(node, ast.Module):
+            node.body = [ast.Expr(ast.Constant(...))]
+        return node
+
+    return ast.unparse(outline(tree)) + "\n"
+
+
+def _pooled_prompts(jsonl: str, index: dict[str, list[_FileRef]], tokenizer, budget: int, prefix: int, n: int,
+                    rng: random.Random, outlines: bool) -> tuple[list[torch.Tensor], list[str]]:
+    """``heldout_prompts`` of the ``"packages"`` and ``"skeleton"`` kinds (``outlines``)."""
+    packages = sorted(p for p, fs in index.items() if fs)
+    if len(packages) < 2:
+        raise ValueError(f"the held-out set {jsonl} has {len(packages)} package(s); pooled prompts need two or more")
+    cache: dict[str, str | None] = {}
+
+    def context_text(ref: _FileRef) -> str | None:
+        if ref.path not in cache:
+            text = _read_text(jsonl, ref)
+            cache[ref.path] = skeleton(text) if outlines else text
+        return cache[ref.path]
+
+    prompts, names = [], []
+    # Continued files: one of each package in turn (packages and their files in seeded orders), so the package
+    # with the most files is not the one continued most often.
+    turn = rng.sample(packages, len(packages))
+    files = {p: rng.sample(index[p], len(index[p])) for p in turn}
+    continued = [(p, files[p][i]) for i in range(max(map(len, files.values()))) for p in turn if i < len(files[p])]
+    for package, ref in continued:
+        if len(prompts) == n:
+            break
+        head = _encode(tokenizer, "\n" + file_header(ref.path) + _read_text(jsonl, ref))
+        if len(head) <= prefix:
+            continue  # nothing would be left to continue
+        if outlines and context_text(ref) is None:
+            continue  # a continued file without an outline is no skeleton prompt
+        # Context: the packages in a seeded order, then one file of each in turn (each package's files shuffled);
+        # the continued file itself only as an outline, and last, so its signatures stand before its body.
+        order = [p for p in packages if p != package]
+        rng.shuffle(order)
+        queues = {p: rng.sample(index[p], len(index[p])) for p in [package] + order}
+        queues[package] = [f for f in queues[package] if f.path != ref.path]
+        ids, used, need = [], [], budget - prefix
+        own = _encode(tokenizer, "\n" + file_header(ref.path) + context_text(ref)) if outlines else []
+        while len(ids) + len(own) < need and any(queues.values()):
+            for p in [package] + order:
+                if queues[p] and len(ids) + len(own) < need:
+                    f = queues[p].pop()
+                    text = context_text(f)
+                    if text:
+                        ids += _encode(tokenizer, file_header(f.path) + text + "\n")
+                        used.append(p)
+        if len(ids) + len(own) < need:
+            continue  # the held-out set cannot fill this budget around this file
+        context = (ids[:max(0, need - len(own))] + own)[-need:]
+        prompts.append(torch.tensor(context + head[:prefix], dtype=torch.long)[None])
+        names.append("+".join(dict.fromkeys([package] + used)))
+    if not prompts:
+        raise ValueError(f"the held-out set {jsonl} cannot fill {budget} tokens with pooled files")
     return prompts, names

@@ -85,6 +85,36 @@ def test_heldout_prompts_continue_a_file_of_one_package(corpus, tokenizer):
         heldout_prompts(corpus.heldout_jsonl, tokenizer, 10**6, n=1)
 
 
+@pytest.mark.parametrize("kind", ["packages", "skeleton"])
+def test_pooled_heldout_prompts_mix_packages(corpus, tokenizer, kind):
+    """Pooled prompts draw their context from several held-out packages in turn; skeleton prompts show only the
+    outlines (signatures and docstrings) of their context files, the continued file's own last, so what follows the
+    prompt is code it does not contain."""
+    budget, prefix = 3000, 40
+    prompts, names = heldout_prompts(corpus.heldout_jsonl, tokenizer, budget, n=2, seed=3, prefix_tokens=prefix,
+                                     kind=kind)
+    files = {r["path"]: r["text"] for r in iter_records(corpus.heldout_jsonl)}
+    for ids, name in zip(prompts, names):
+        assert ids.shape == (1, budget)
+        text = tokenizer.decode(ids[0])
+        headers = [line[len("# file: "):] for line in text.splitlines() if line.startswith("# file: ")]
+        packages = {h.split("/")[0].removesuffix(".py") for h in headers}
+        assert len(packages) >= 2 and set(name.split("+")) == packages
+        last = headers[-1]
+        cut = text.rindex("\n# file: " + last + "\n")
+        tail, context = text[cut + len("\n# file: " + last + "\n"):], text[:cut]
+        assert files[last].startswith(tail) and len(tail) < len(files[last])
+        if kind == "skeleton":
+            assert "total = x" not in context and "def " in context  # bodies gone, signatures kept
+            assert headers[-2] == last  # the continued file's outline stands just before it
+        else:
+            assert last not in headers[:-1] and "total = x" in context
+    again, _ = heldout_prompts(corpus.heldout_jsonl, tokenizer, budget, n=2, seed=3, prefix_tokens=prefix, kind=kind)
+    assert all(torch.equal(a, b) for a, b in zip(prompts, again))
+    with pytest.raises(ValueError, match="kind must be one of"):
+        heldout_prompts(corpus.heldout_jsonl, tokenizer, budget, n=1, kind="copy")
+
+
 def test_tiny_recipe_in_stages_with_budgets_decodes_exactly(fake_site, tmp_path):
     """data + target in one process; drafts in another over the same directory after the corpus was lost (a fresh
     machine): the corpus is rebuilt identically, the tokenizer is kept; step counts come from the timed probes."""
