@@ -253,3 +253,26 @@ def test_recipe_command_rejects_bad_init_and_overrides(tmp_path, capsys):
             main(["--out", str(tmp_path / "o"), "--stages", "target", *argv])
         assert done.value.code == 2
         assert word in capsys.readouterr().err
+
+
+def test_deep_scale_is_shaped_like_real_targets_and_fits_the_package():
+    """Issue 33's scale: 16 layers or more against the one-block draft, RoPE for 128k positions, and target + draft in
+    bf16 plus the shipped tokenizer's files under the package's limit (models built on the meta device)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from longspec import LongSpecDraft
+    from longspec.pretrained import pair_path
+    from longspec.recipes.pair_config import SHIP_LIMIT_BYTES
+
+    s = SCALES["h200-deep"]
+    assert s.layers >= 16 and s.max_positions >= 131072 and s.kv_heads < s.heads
+    cfg = LlamaConfig(vocab_size=s.vocab_size, hidden_size=s.hidden, intermediate_size=s.intermediate,
+                      num_hidden_layers=s.layers, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
+                      max_position_embeddings=s.max_positions, rope_theta=s.rope_theta,
+                      tie_word_embeddings=s.tie_embeddings)
+    with torch.device("meta"):
+        target = LlamaForCausalLM(cfg)
+        draft = LongSpecDraft.from_target(target)
+    weights = 2 * sum(p.numel() for m in (target, draft) for p in m.parameters())
+    tokenizer = sum(f.stat().st_size for f in pair_path("target").glob("tokenizer*"))
+    assert weights + tokenizer <= SHIP_LIMIT_BYTES
