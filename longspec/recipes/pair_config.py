@@ -100,23 +100,14 @@ SCALES = {
                   eval_contexts=(8192, 32768, 65536), draft_eval_contexts=(16384, 32768), short_seq=1024,
                   short_batch=32, short_steps=4000, short_seconds=45.0, short_lr=1e-3, short_evals=12,
                   short_eval_windows=4, tau_prompts=2, tau_new_tokens=128),
-    # Issue 33's deeper pair, shaped like real targets (a one-block draft against 16 layers, not 8): 16.3M target
-    # parameters (32.6 MB in bf16 with the draft and tokenizer under SHIP_LIMIT_BYTES), RoPE base for 128k
-    # positions. Its budgets fill one device call per stage; not trained yet.
-    "h200-deep": Scale("h200-deep", corpus_max_chars=None, heldout_frac=0.1, vocab_size=8192,
-                       tokenizer_max_chars=100_000_000, hidden=256, intermediate=896, layers=16, heads=4, kv_heads=2,
-                       tie_embeddings=True, max_positions=131072, rope_theta=10_000_000.0, target_seq=8192,
-                       target_batch=8, target_long_seq=32768, target_long_ratio=0.25, target_steps=20000,
-                       target_seconds=420.0, target_lr=2e-3, target_warmup_ratio=0.05,
-                       draft_seq=8192, draft_batch=4, draft_steps=20000, draft_seconds=300.0, draft_lr=1e-3,
-                       log_every=20, eval_windows=16,
-                       long_from_seq=8192, long_to_seq=65536, long_windows=((32768, 2, 0.75), (65536, 1, 0.25)),
-                       long_steps=20000, long_seconds=420.0, long_lr=5e-4, long_warmup_ratio=0.05,
-                       long_draft_seq=32768, long_draft_batch=1, long_draft_lr=5e-4, long_draft_kl_weight=1.0,
-                       eval_contexts=(8192, 32768, 65536), draft_eval_contexts=(16384, 32768), short_seq=1024,
-                       short_batch=32, short_steps=4000, short_seconds=45.0, short_lr=1e-3, short_evals=12,
-                       short_eval_windows=4, tau_prompts=2, tau_new_tokens=128),
 }
+# Issue 33's deeper pair, shaped like real targets (a one-block draft against 16 layers, not 8): 16.3M target
+# parameters (target + draft + tokenizer in bf16 under SHIP_LIMIT_BYTES), RoPE base for 128k positions; the rest as
+# h200, with budgets that fill one device call per stage. Not trained yet.
+SCALES["h200-deep"] = dataclasses.replace(
+    SCALES["h200"], name="h200-deep", hidden=256, intermediate=896, layers=16, heads=4, kv_heads=2,
+    max_positions=131072, rope_theta=10_000_000.0, target_steps=20000, target_seconds=420.0, draft_steps=20000,
+    draft_seconds=300.0, long_steps=20000, long_seconds=420.0)
 STAGES = ("data", "target", "drafts", "short")
 DEFAULT_STAGES = ("data", "target", "drafts")
 
