@@ -95,6 +95,22 @@ def run_demo(context: int = 4096, new_tokens: int = 128, device: str | torch.dev
 _ROW = "{:36s} {:>5s} {:>13s} {:>8s} {:>13s}  {}"
 
 
+def verdict(report: DemoReport) -> str:
+    """One line from the measured rows: the fastest method here and, when the LongSpec tree does not pay, why (its
+    round's cost in plain decoding steps, tau / speedup, against the tokens it emits)."""
+    plain = report.results[0].tokens_per_s
+    best = max(report.results, key=lambda r: r.tokens_per_s)
+    line = f"fastest here: {best.method} ({best.tokens_per_s / plain:.2f}x plain decoding)"
+    tree = next((r for r in report.results if r.method.startswith("LongSpec draft, tree")), None)
+    if tree is None or tree.tokens_per_s >= plain:
+        return line
+    steps = tree.tau / (tree.tokens_per_s / plain)
+    where = ("on a CPU the 69-node verify is compute-bound" if report.device.startswith("cpu") else
+             "at this context the draft and verify cost more than they return")
+    return (f"{line}; the LongSpec tree emits {tree.tau:.2f} tokens a round but a round costs {steps:.1f} plain "
+            f"steps here ({where}; on an H200 at 16k-64k: benchmarks/results/h200/e2e.md)")
+
+
 def print_demo(context: int, new_tokens: int, device: torch.device, dtype: str, seed: Optional[int] = None,
                out: Optional[TextIO] = None) -> int:
     """Run the demo and print it (to ``out``, default stdout) as it goes; 0 when every output equals plain
@@ -122,5 +138,6 @@ def print_demo(context: int, new_tokens: int, device: torch.device, dtype: str, 
     report = run_demo(context, new_tokens, device, getattr(torch, dtype), seed, on_prompt, on_result)
     say("end-to-end s: the whole generate call; decode tok/s: tokens per second after the target's prefill (a "
         "LongSpec draft's own prefill counts as decoding)")
+    say(verdict(report))
     say("continuation (plain decoding):\n" + report.continuation)
     return 0 if all(r.identical for r in report.results) else 1

@@ -77,6 +77,7 @@ def test_demo_runs_and_outputs_are_identical(capsys):
     out = capsys.readouterr().out
     assert "the shipped code pair" in out and "300 tokens of held-out package" in out
     assert out.count(" yes") == 4 and " NO" not in out
+    assert "fastest here: " in out  # the one-line verdict, from the measured rows
     assert main(["demo", "--context", "8", "--device", "cpu"]) == 2
     assert "longspec: error: argument --context: must be an integer >= 64, got 8" in capsys.readouterr().err
     assert main(["demo", "--context", str(10**8), "--device", "cpu"]) == 2  # more than the held-out stdlib holds
