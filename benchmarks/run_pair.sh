@@ -7,12 +7,16 @@
 #   phase 1: build the extension and run the engine's GPU tests (background); recipe stages data + target.
 #   phase 2: recipe stage drafts (main + the two ablations), export of the shippable pair.
 #   phase 3: end-to-end benchmark, the pair's round costs.
+# Knobs: SCALE (h200; h200-deep: issue 33's deeper pair; tiny: a CPU rehearsal), TESTS=0 (phase 1 without the build
+# and the engine tests), ABLATIONS=0 (phase 2: the main draft only), RECIPE_TIMEOUT (seconds), E2E_ARGS (phase 3's
+# bench_e2e arguments after --pair, instead of the default contexts and prompts).
 # Usage: bash benchmarks/run_pair.sh 1|2|3
 set -uo pipefail
 phase=${1:?usage: run_pair.sh 1|2|3}
 OUT=${OUT:-$PWD/gpu-out}
 PAIR=${PAIR_DIR:-/tmp/pair}
-SCALE=${SCALE:-h200}  # tiny: a CPU rehearsal of the script
+SCALE=${SCALE:-h200}
+TESTS=${TESTS:-1} ABLATIONS=${ABLATIONS:-1} RECIPE_TIMEOUT=${RECIPE_TIMEOUT:-}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 LONGSPEC_BENCH_OUT="$OUT"
 start=$(date +%s)
@@ -28,9 +32,10 @@ python3 -c "import torch, triton, transformers; print(torch.__version__, triton.
 
 case $phase in
 1)
-  ( build && elapsed "built" && timeout 300 python3 -m pytest -q tests/decode/test_gpu_decoder.py -p no:cacheprovider \
+  [ "$TESTS" = 1 ] && ( build && elapsed "built" && timeout 300 python3 -m pytest -q tests/decode/test_gpu_decoder.py -p no:cacheprovider \
       > "$OUT/tests_decode.log" 2>&1; elapsed "engine GPU tests: $(tail -1 "$OUT/tests_decode.log")" ) &
-  timeout 500 python3 -m longspec.recipes.code_pair --out "$PAIR" --scale "$SCALE" --stages data target \
+  timeout "${RECIPE_TIMEOUT:-500}" python3 -m longspec.recipes.code_pair --out "$PAIR" --scale "$SCALE" \
+    --stages data target \
     > "$OUT/recipe1.log" 2>&1
   elapsed "recipe data+target exit $?"; grep -v "^target step" "$OUT/recipe1.log" | tail -20
   grep "^target step" "$OUT/recipe1.log" | awk 'NR % 10 == 1' | tail -12
@@ -38,25 +43,32 @@ case $phase in
   tar -C "$PAIR" -cf - target recipe.json | split -b 15m - "$OUT/pair1.tar."
   ;;
 2)
-  if [ ! -f "$PAIR/recipe.json" ]; then
-    elapsed "fresh machine: restoring the target"; mkdir -p "$PAIR"
+  if [ ! -f "$PAIR/recipe.json" ] && ls gpu-carry/pair1.tar.* > /dev/null 2>&1; then
+    elapsed "fresh machine: restoring the target from phase 1's files"; mkdir -p "$PAIR"
+    cat gpu-carry/pair1.tar.* | tar -C "$PAIR" -xf - || exit 1
+  elif [ ! -f "$PAIR/recipe.json" ]; then
+    elapsed "fresh machine: restoring the shipped target"; mkdir -p "$PAIR"
     cp -r longspec/assets/code-pair/target "$PAIR/target" && cp benchmarks/results/h200/recipe.json "$PAIR/" || exit 1
   fi
-  timeout 540 python3 -m longspec.recipes.code_pair --out "$PAIR" --scale "$SCALE" --stages drafts --ablations \
+  ablations=(); [ "$ABLATIONS" = 1 ] && ablations=(--ablations)
+  timeout "${RECIPE_TIMEOUT:-540}" python3 -m longspec.recipes.code_pair --out "$PAIR" --scale "$SCALE" \
+    --stages drafts "${ablations[@]}" \
     --export "$PAIR/export" > "$OUT/recipe2.log" 2>&1
   elapsed "recipe drafts exit $?"; tail -8 "$OUT/recipe2.log"
   (cd "$PAIR" && tar -cf - recipe.json export/draft export/pair.json draft*/checkpoint-*/config.json \
       draft*/checkpoint-*/model.safetensors) | split -b 15m - "$OUT/pair2.tar."
   ;;
 3)
-  if [ ! -f "$PAIR/recipe.json" ] || ! grep -q ablations "$PAIR/recipe.json"; then
+  if [ ! -f "$PAIR/recipe.json" ] || ! grep -q '"draft"' "$PAIR/recipe.json"; then
     elapsed "fresh machine: restoring the pair"; mkdir -p "$PAIR"
-    cp -r longspec/assets/code-pair/target "$PAIR/target" && tar -C "$PAIR" -xf gpu-carry/pair2.tar || exit 1
+    if ls gpu-carry/pair1.tar.* > /dev/null 2>&1; then cat gpu-carry/pair1.tar.* | tar -C "$PAIR" -xf - || exit 1
+    else cp -r longspec/assets/code-pair/target "$PAIR/target" || exit 1; fi
+    cat gpu-carry/pair2.tar* | tar -C "$PAIR" -xf - || exit 1
   fi
   [ -f "$PAIR/corpus/heldout.jsonl" ] || python3 -m longspec.recipes.code_pair --out "$PAIR" --scale "$SCALE" --stages data
   build; elapsed "built: $(python3 -c 'import longspec_ops; print(longspec_ops.has_cuda_kernels())')"
-  timeout 330 python3 -m benchmarks.bench_e2e --pair "$PAIR" --contexts 4096 8192 16384 32768 --prompts 3 \
-    --new-tokens 256 --out "$OUT" 2>&1 | tail -70
+  read -ra e2e_args <<< "${E2E_ARGS:---contexts 4096 8192 16384 32768 --prompts 3 --new-tokens 256}"
+  timeout 330 python3 -m benchmarks.bench_e2e --pair "$PAIR" "${e2e_args[@]}" --out "$OUT" 2>&1 | tail -70
   elapsed "e2e done"
   timeout 200 python3 -m benchmarks.bench_step_latency --models pair --out "$OUT" 2>&1 | grep -v "^{" | tail -12
   elapsed "step latency done"

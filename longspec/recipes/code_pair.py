@@ -23,7 +23,11 @@ Usage: ``python -m longspec.recipes.code_pair --out DIR [--scale tiny|h200] [--a
    ``long_draft_seq``-token windows (the context the target now holds; blocks of consecutive files, so a window is
    repository-level context), with anchor-offset positions up to ``long_to_seq``, the KL term
    (``long_draft_kl_weight``) and, with ``--init-draft``, from that draft; each draft's held-out loss at
-   ``draft_eval_contexts`` is recorded.
+   ``draft_eval_contexts`` is recorded. Every draft run is checkpointed ``CURVE_POINTS`` times and each checkpoint
+   scored by held-out loss at ``draft_eval_contexts`` (``recipe.json``: ``draft_heldout_curves``, beside the
+   target's loss on the same windows, ``draft_heldout_loss["target"]``), so the record shows whether the loss still
+   falls; from scratch, windows longer than the target's are block samples too, and ``draft_kl_weight`` adds the
+   KL term.
 5. Stage ``short`` (the paper's regime for anchor-offset, arXiv 2502.17421 section 3.2): two fresh drafts trained
    on short windows (``short_seq`` <= 1.2k tokens), one with anchor-offset positions reaching ``long_to_seq``, one
    with plain positions; every ``1/short_evals`` of the run a checkpoint is scored by held-out loss at
@@ -52,12 +56,15 @@ last quarter of the steps train on 32k-token windows (batch 2); each draft seq 8
 Long-context mode at h200 (from the shipped pair, trained on 8k windows): 230 s of continuation, three quarters of
 the steps on 32k x 2 windows, then 64k x 1, peak LR 5e-4; RoPE base 1e6 -> 8.55e6 (NTK scaling for 8k -> 64k),
 max_position_embeddings 131072; drafts on 32k x 1 windows with KL weight 1 for 120 s each; stage ``short`` 45 s
-per variant on 1024 x 32 windows. (The shipped pair, ``benchmarks/results/h200/recipe.json``, predates the
+per variant on 1024 x 32 windows. ``h200-deep`` (issue 33): hidden 256, 16 layers, 4 / 2 heads, MLP 896 (16.3M
+parameters), rope_theta 1e7 and 131072 positions; 360 s of target training of which the last tenth of the steps are
+64k x 1 windows; the draft on 32k x 1 windows with KL weight 1 for 300 s. (The shipped pair, ``benchmarks/results/h200/recipe.json``, predates the
 long-window quarter and this mode: its target saw 8k windows only, and its tau falls beyond 8k.)
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 from dataclasses import asdict
@@ -106,6 +113,9 @@ def run_recipe(out: str, scale: str | Scale = "tiny", roots: Sequence[str] | Non
     r = _Recipe(out, s, roots, dev, init_target, init_draft)
     record = r.record
     recorded = record.get("scale", _jsonable(asdict(s)))
+    for f in dataclasses.fields(Scale):  # a record from before a field was added holds its default
+        if f.default is not dataclasses.MISSING:
+            recorded.setdefault(f.name, _jsonable(f.default))
     if recorded != _jsonable(asdict(s)):
         differ = sorted(k for k, v in _jsonable(asdict(s)).items() if recorded.get(k) != v)
         raise ValueError(f"{out} holds a recipe of another scale ({recorded.get('name')}; fields that differ: "

@@ -148,6 +148,24 @@ def draft_heldout_loss(draft, target, tokens: np.ndarray, contexts: Sequence[int
 
 
 @torch.no_grad()
+def target_heldout_loss(target, tokens: np.ndarray, contexts: Sequence[int], windows: int, device: torch.device,
+                        seed: int = 3) -> dict[int, float]:
+    """The target's mean next-token cross-entropy on the windows :func:`draft_heldout_loss` scores with the same
+    ``seed`` and ``windows`` (``{context: loss}``): the level a draft's loss is compared with."""
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    out = {}
+    for ctx in contexts:
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + ctx)
+        losses = []
+        for _ in range(windows):
+            ids = random_windows(tokens, ctx, 1, gen).to(device)
+            with autocast:
+                losses.append(float(target(input_ids=ids, labels=ids).loss))
+        out[int(ctx)] = sum(losses) / len(losses)
+    return out
+
+
+@torch.no_grad()
 def draft_tau(target, draft, tokenizer, heldout_jsonl: str, contexts: Sequence[int], prompts: int,
               new_tokens: int, tree_shape: Sequence[int] = (4, 16, 16, 16, 16)) -> dict[int, float]:
     """Greedy tau (tokens per target forward) of ``draft`` with ``tree_shape`` on ``prompts`` held-out

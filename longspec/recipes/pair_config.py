@@ -72,6 +72,7 @@ class Scale:
     short_eval_windows: int  # held-out windows per context and checkpoint
     tau_prompts: int
     tau_new_tokens: int
+    draft_kl_weight: float = 0.0  # the from-scratch drafts' KL term (long-context mode: long_draft_kl_weight)
 
 
 SCALES = {
@@ -102,12 +103,14 @@ SCALES = {
                   short_eval_windows=4, tau_prompts=2, tau_new_tokens=128),
 }
 # Issue 33's deeper pair, shaped like real targets (a one-block draft against 16 layers, not 8): 16.3M target
-# parameters (target + draft + tokenizer in bf16 under SHIP_LIMIT_BYTES), RoPE base for 128k positions; the rest as
-# h200, with budgets that fill one device call per stage. Not trained yet.
+# parameters (target + draft + tokenizer in bf16 under SHIP_LIMIT_BYTES), RoPE base for 128k positions, the last
+# tenth of the target's steps on 64k windows; its draft on 32k windows with the KL term. The rest as h200, with
+# budgets that leave each device call room for its other work.
 SCALES["h200-deep"] = dataclasses.replace(
     SCALES["h200"], name="h200-deep", hidden=256, intermediate=896, layers=16, heads=4, kv_heads=2,
-    max_positions=131072, rope_theta=10_000_000.0, target_steps=20000, target_seconds=420.0, draft_steps=20000,
-    draft_seconds=300.0, long_steps=20000, long_seconds=420.0)
+    max_positions=131072, rope_theta=10_000_000.0, target_long_seq=65536, target_long_ratio=0.1,
+    target_steps=20000, target_seconds=360.0, draft_seq=32768, draft_batch=1, draft_steps=20000,
+    draft_seconds=300.0, draft_kl_weight=1.0, long_steps=20000, long_seconds=420.0)
 STAGES = ("data", "target", "drafts", "short")
 DEFAULT_STAGES = ("data", "target", "drafts")
 

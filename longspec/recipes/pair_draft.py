@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from longspec.recipes.long_context import block_sample, draft_heldout_loss, draft_tau, steps_to_equal_loss
+from longspec.recipes.long_context import (block_sample, draft_heldout_loss, draft_tau, steps_to_equal_loss,
+                                          target_heldout_loss)
 from longspec.recipes.pair_config import SEED, Scale, _loss_summary
 from longspec.recipes.pair_data import _Recipe, _tokenizer
 from longspec.recipes.pair_target import _load_target_fp32, budget_steps
@@ -56,7 +57,7 @@ class DraftRun:
 
 
 def scratch_draft_run(s: Scale) -> DraftRun:
-    return DraftRun(s.draft_seq, s.draft_batch, s.draft_lr)
+    return DraftRun(s.draft_seq, s.draft_batch, s.draft_lr, s.draft_kl_weight)
 
 
 def long_draft_run(s: Scale, init_draft: str | None) -> DraftRun:
@@ -95,6 +96,29 @@ def probe_draft_step_s(target, tokenizer, data_jsonl: str, s: Scale, tmp_dir: st
     return float(np.median([tokens / h["tokens_per_s"] for h in history[steps // 2:]]))
 
 
+# Checkpoints of a draft run scored by held-out loss (stage drafts): the curve that shows whether it still falls.
+CURVE_POINTS = 8
+
+
+def checkpoint_curve(out_dir: str, final: str, target, held: np.ndarray, contexts, windows: int,
+                     device: torch.device) -> list:
+    """``[[step, {context: held-out loss}], ...]`` for every ``checkpoint-*`` of a run in ``out_dir``, step
+    ascending; every checkpoint but ``final`` is removed once scored."""
+    from longspec.model.draft import LongSpecDraft
+    from longspec.runs import checkpoint_step
+
+    curve = []
+    ckpts = sorted((d for d in os.listdir(out_dir) if d.startswith("checkpoint-")),
+                   key=lambda d: checkpoint_step(Path(d)))
+    for d in ckpts:
+        draft = LongSpecDraft.from_pretrained(os.path.join(out_dir, d), target=target)
+        losses = draft_heldout_loss(draft, target, held, contexts, windows, device)
+        curve.append([int(d.split("-")[1]), {str(k): v for k, v in losses.items()}])
+        if os.path.join(out_dir, d) != final:
+            shutil.rmtree(os.path.join(out_dir, d))
+    return curve
+
+
 def steps_to_loss(history: list[dict], level: float, smooth: int = 20) -> int | None:
     """First step whose trailing ``smooth``-step mean loss is at or below ``level`` (None if never)."""
     losses = [h["loss"] for h in history]
@@ -121,7 +145,7 @@ def _stage_drafts(r: _Recipe, ablations: bool, draft_steps: int | None) -> None:
     steps, step_s = draft_steps or record.get("draft", {}).get("steps"), None
     if not os.path.isfile(draft_data):
         want = int((steps or s.draft_steps) * run.batch * run.seq * 3.5 * 1.2)
-        if r.long:  # contiguous files: a long window is repository-level context
+        if r.long or run.seq > s.target_seq:  # contiguous files: a long window is repository-level context
             block_sample(r.train_jsonl, draft_data, want, int(2 * run.seq * 3.5))
         else:
             stride_sample(r.train_jsonl, draft_data, want)
@@ -129,33 +153,41 @@ def _stage_drafts(r: _Recipe, ablations: bool, draft_steps: int | None) -> None:
         step_s = probe_draft_step_s(target, tokenizer, draft_data, s, os.path.join(r.out, "draft_probe"), run=run)
         steps = budget_steps(s.draft_seconds, step_s, s.draft_steps)
     steps = steps or s.draft_steps
-    held = r.held_tokens(tokenizer) if r.long else None
+    held = r.held_tokens(tokenizer)
+    contexts = [c for c in s.draft_eval_contexts if held is not None and c <= held.size]
     histories = record.setdefault("draft_histories", {})
-    heldout = record.setdefault("draft_heldout_loss", {}) if r.long else {}
+    heldout = record.setdefault("draft_heldout_loss", {})
+    curves = record.setdefault("draft_heldout_curves", {})
+    if contexts and "target" not in heldout:  # the level each draft's loss is compared with, on the same windows
+        heldout["target"] = {str(k): v for k, v in target_heldout_loss(target, held, contexts, s.short_eval_windows,
+                                                                        dev).items()}
     checkpoints = {}
     for name, (anchor, noisy) in DRAFT_VARIANTS.items():
         if name != "draft" and not ablations:
             continue
-        ckpt = os.path.join(r.out, name, f"checkpoint-{steps}")
+        out_dir = os.path.join(r.out, name)
+        ckpt = os.path.join(out_dir, f"checkpoint-{steps}")
         if name not in histories or not os.path.isdir(ckpt):
-            histories[name], ckpt = train_draft(target, tokenizer, draft_data, os.path.join(r.out, name), s, steps,
-                                                anchor_offset=anchor, flash_noisy=noisy, run=run)
+            histories[name], ckpt = train_draft(target, tokenizer, draft_data, out_dir, s, steps,
+                                                anchor_offset=anchor, flash_noisy=noisy, run=run,
+                                                save_every=max(1, steps // CURVE_POINTS) if contexts else None)
             heldout.pop(name, None)
+            if contexts:
+                curves[name] = checkpoint_curve(out_dir, ckpt, target, held, contexts, s.short_eval_windows, dev)
         checkpoints[name] = ckpt
-        if held is not None and name not in heldout:
+        if contexts and name not in heldout:
             from longspec.model.draft import LongSpecDraft
 
             draft = LongSpecDraft.from_pretrained(ckpt, target=target)
             heldout[name] = {str(k): v for k, v in draft_heldout_loss(
-                draft, target, held, s.draft_eval_contexts, s.short_eval_windows, dev).items()}
+                draft, target, held, contexts, s.short_eval_windows, dev).items()}
         hist = histories[name]
         if name == "draft":
             record["draft"] = {"checkpoint": ckpt, "steps": steps, "probe_step_s": step_s,
                                "tokens_seen": steps * run.batch * run.seq, "run": asdict(run),
                                "loss": _loss_summary(hist, s.log_every),
                                "median_tokens_per_s": float(np.median([h["tokens_per_s"] for h in hist]))}
-            if r.long:
-                record["draft"]["heldout_loss"] = heldout.get(name)
+            record["draft"]["heldout_loss"] = heldout.get(name)
         r.lap(name)
     if ablations:
         record["ablations"] = {"checkpoints": checkpoints, **ablation_summary(
@@ -170,7 +202,6 @@ def _stage_short(r: _Recipe) -> None:
     """The paper's regime: fresh drafts on short windows, anchor-offset vs plain positions, scored at long context
     every ``1/short_evals`` of the run (``record["short_ablation"]``)."""
     from longspec.model.draft import LongSpecDraft
-    from longspec.runs import checkpoint_step
 
     s, record, dev = r.s, r.record, r.dev
     if s.short_seq > 1200:
@@ -207,16 +238,7 @@ def _stage_short(r: _Recipe) -> None:
             continue
         history, final = train_draft(target, tokenizer, data, out_dir, s, steps, anchor_offset=anchor,
                                      flash_noisy=True, run=run, save_every=every)
-        curve = []
-        ckpts = sorted((d for d in os.listdir(out_dir) if d.startswith("checkpoint-")),
-                       key=lambda d: checkpoint_step(Path(d)))
-        for d in ckpts:
-            draft = LongSpecDraft.from_pretrained(os.path.join(out_dir, d), target=target)
-            losses = draft_heldout_loss(draft, target, held, contexts, s.short_eval_windows, dev)
-            curve.append([int(d.split("-")[1]), {str(k): v for k, v in losses.items()}])
-            if os.path.join(out_dir, d) != final:
-                shutil.rmtree(os.path.join(out_dir, d))
-        curves[name] = curve
+        curves[name] = checkpoint_curve(out_dir, final, target, held, contexts, s.short_eval_windows, dev)
         entry.setdefault("train_loss", {})[name] = _loss_summary(history, s.log_every)
         draft = LongSpecDraft.from_pretrained(final, target=target)
         taus[name] = {str(k): v for k, v in draft_tau(target, draft, tokenizer, r.heldout_jsonl, contexts,

@@ -45,6 +45,11 @@ def export_pair(out: str, dest: str, limit_bytes: int = SHIP_LIMIT_BYTES) -> dic
                "draft": {k: record["draft"][k] for k in ("steps", "tokens_seen")}
                | {"final_loss": record["draft"]["loss"]["last"]},
                "wall_s": record["wall_s"]}
+    if record["target"].get("heldout_loss_by_context"):
+        summary["target"]["heldout_loss_by_context"] = record["target"]["heldout_loss_by_context"]
+    if record["draft"].get("heldout_loss"):
+        summary["draft"] |= {"run": record["draft"]["run"], "heldout_loss": record["draft"]["heldout_loss"],
+                             "target_heldout_loss": record.get("draft_heldout_loss", {}).get("target")}
     if "init" in record:  # long-context mode: what it continued and what it changed
         summary["init"] = {k: {"dir": v["dir"], "sha256": v["sha256"]} for k, v in record["init"].items()}
         summary["target"] |= {k: record["target"][k] for k in ("rope_theta", "max_position_embeddings", "windows",

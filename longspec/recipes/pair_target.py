@@ -247,6 +247,7 @@ def _stage_target(r: _Recipe, target_steps: int | None) -> None:
     else:
         entry["heldout_loss_long"] = (eval_loss(target, held, s, dev, s.target_long_seq, max(1, s.eval_windows // 4))
                                       if held is not None else None)
+        entry["heldout_loss_by_context"] = eval_by_context(target, held, s, dev) if held is not None else None
     record["target"] = entry
     target.save_pretrained(r.target_dir)
     tokenizer.save_pretrained(r.target_dir)

@@ -53,7 +53,8 @@ def is_heldout(package: str, heldout_frac: float, salt: str = "longspec") -> boo
 
 
 def _is_package_entry(root: str, name: str) -> bool:
-    if name.startswith(".") or name in _SKIP_DIRS or name.endswith(_SKIP_SUFFIXES):
+    # __editable__*: the finder module an editable install (pip install -e) writes, not a package of its own
+    if name.startswith((".", "__editable__")) or name in _SKIP_DIRS or name.endswith(_SKIP_SUFFIXES):
         return False
     full = os.path.join(root, name)
     if os.path.isdir(full):

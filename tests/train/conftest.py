@@ -36,5 +36,6 @@ def fake_site(tmp_path_factory):
     (roots[1] / "pkg1").joinpath("latin1.py").write_bytes(b"s = '\xe9'\n")  # not UTF-8: skipped
     (roots[1] / "pkg0-1.0.dist-info").mkdir()
     (roots[1] / "pkg0-1.0.dist-info" / "meta.py").write_text("x = 1\n")
+    (roots[1] / "__editable___pkg9_1_0_finder.py").write_text("MAPPING = {}\n")  # pip install -e: skipped
     (roots[1] / "pkg1").joinpath("big.py").write_text("# " + "x" * (1 << 20) + "\n")  # over 1 MB: skipped
     return [str(r) for r in roots]

@@ -47,7 +47,8 @@ def test_corpus_split_is_by_package_disjoint_and_deterministic(fake_site, corpus
 def test_corpus_records_skip_caches_metadata_big_and_non_utf8(corpus):
     paths = [r["path"] for j in (corpus.train_jsonl, corpus.heldout_jsonl) for r in iter_records(j)]
     assert "pkg0/sub/deep.py" in paths and "pkg2.py" in paths
-    assert not any("__pycache__" in p or "dist-info" in p or p.endswith(("latin1.py", "big.py")) for p in paths)
+    assert not any("__pycache__" in p or "dist-info" in p or "__editable__" in p or p.endswith(("latin1.py", "big.py"))
+                   for p in paths)
     assert all(p.split("/")[0].removesuffix(".py") == r for p, r in
                zip(paths, _packages(corpus.train_jsonl) + _packages(corpus.heldout_jsonl)))
     assert corpus.skipped_files == 2
@@ -127,13 +128,14 @@ def test_tiny_recipe_in_stages_with_budgets_decodes_exactly(fake_site, tmp_path)
     from longspec import LongSpecDraft, LongSpecDrafter, SpeculativeDecoder
 
     scale = dataclasses.replace(SCALES["tiny"], target_seconds=60.0, target_steps=3, draft_seconds=60.0,
-                                draft_steps=2)
+                                draft_steps=2, draft_kl_weight=0.5)
     out = tmp_path / "pair"
     first = run_recipe(str(out), scale, roots=fake_site, device="cpu", stages=("data", "target"))
     assert "draft" not in first and first["target"]["steps"] == 3 and first["target"]["probe_step_s"] > 0
     # round(0.5 * 3) = 2 long-window steps of 512 x 1, after one step of 256 x 2
     assert first["target"]["tokens_seen"] == 256 * 2 + 2 * 512 * 1
     assert first["target"]["heldout_loss_long"] > 0
+    assert set(first["target"]["heldout_loss_by_context"]) == {str(c) for c in scale.eval_contexts}
     assert set(first["wall_s"]) == {"corpus", "tokenizer", "pretokenize", "target"}
     tokenizer_json = (out / "target" / "tokenizer.json").read_bytes()
     shutil.rmtree(out / "corpus")
@@ -143,11 +145,24 @@ def test_tiny_recipe_in_stages_with_budgets_decodes_exactly(fake_site, tmp_path)
     assert record["draft"]["probe_step_s"] > 0 and len(record["draft"]["loss"]["curve"]) == 2
     saved = json.loads((out / "recipe.json").read_text())
     assert saved["draft"]["loss"] == record["draft"]["loss"] and "draft" in saved["wall_s"]
+    assert record["draft"]["run"]["kl_weight"] == 0.5
+    # every checkpoint scored on held-out windows (the curve), the last one's loss the draft's, beside the target's
+    curve = record["draft_heldout_curves"]["draft"]
+    assert [step for step, _ in curve] == [1, 2] and curve[-1][1] == record["draft"]["heldout_loss"]
+    assert set(record["draft_heldout_loss"]["target"]) == set(curve[-1][1]) == {str(c) for c in
+                                                                                scale.draft_eval_contexts}
+    assert sorted(p.name for p in (out / "draft").glob("checkpoint-*")) == ["checkpoint-2"]
     with pytest.raises(ValueError, match="another scale"):
         run_recipe(str(out), "tiny", roots=fake_site, device="cpu", stages=("drafts",))
+    # a record from before draft_kl_weight existed reads as its default (0), which this scale's 0.5 is not
+    del saved["scale"]["draft_kl_weight"]
+    (out / "recipe.json").write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match="draft_kl_weight"):
+        run_recipe(str(out), scale, roots=fake_site, device="cpu", stages=("drafts",))
+    (out / "recipe.json").write_text(json.dumps(record))
 
     summary = export_pair(str(out), str(tmp_path / "shipped"))
-    assert summary["draft"]["steps"] == 2
+    assert summary["draft"]["steps"] == 2 and summary["draft"]["heldout_loss"] == record["draft"]["heldout_loss"]
     target_dir = tmp_path / "shipped" / "target"
     tok = AutoTokenizer.from_pretrained(target_dir)
     target = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
