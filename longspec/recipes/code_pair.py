@@ -45,7 +45,8 @@ Step counts. At ``tiny`` they are fixed. At ``h200`` each training run gets a wa
 times a few steps and the run takes ``budget / step time`` steps (capped), so the schedule is a plain fixed-step
 cosine; the chosen counts are in ``recipe.json`` and ``--target-steps`` / ``--draft-steps`` replay them exactly
 (``--target-steps`` counts the continuation's steps in long-context mode). ``--set FIELD=VALUE`` changes one
-field of the scale (``--set long_seconds=200``, ``--set long_windows=32768x2:1``; ``none`` for no budget); the
+field of the scale (``--set long_seconds=200``, ``--set long_windows=32768x2:1``; ``none`` for no budget; ``long_from_seq`` equal to ``long_to_seq``
+continues a target already trained for that context at its own RoPE base, e.g. the h200-deep target); the
 changed scale is recorded, and a directory only resumes under the scale it was started with.
 
 Scales. ``tiny``: seconds on a CPU (seq 256, a handful of steps): it tests the pipeline, not the model. ``h200``:
@@ -122,8 +123,9 @@ def run_recipe(out: str, scale: str | Scale = "tiny", roots: Sequence[str] | Non
                          f"{', '.join(differ)}); use a fresh --out")
     if r.long:
         info = init_target_info(init_target)
-        if s.long_from_seq >= s.long_to_seq or max(w[0] for w in s.long_windows) > s.long_to_seq:
-            raise ValueError(f"scale {s.name}: long_from_seq ({s.long_from_seq}) must be below long_to_seq "
+        # long_from_seq == long_to_seq: a target already trained for the context, continued at its RoPE base
+        if s.long_from_seq > s.long_to_seq or max(w[0] for w in s.long_windows) > s.long_to_seq:
+            raise ValueError(f"scale {s.name}: long_from_seq ({s.long_from_seq}) must be at most long_to_seq "
                              f"({s.long_to_seq}), and no long window may exceed it")
         seen = record.get("init", {}).get("target")
         if seen is not None and seen["sha256"] != info["sha256"]:

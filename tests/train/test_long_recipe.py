@@ -243,6 +243,19 @@ def test_tiny_long_context_recipe_continues_the_init_target(base_pair, fake_site
     assert torch.equal(plain.sequences, spec.sequences)
 
 
+def test_a_target_trained_for_the_context_continues_at_its_own_rope_base(base_pair, fake_site, tmp_path):
+    """long_from_seq == long_to_seq (the deep pair's target, trained to 64k from scratch, trained on): the RoPE
+    base stays; a long_from_seq past long_to_seq is refused by name."""
+    s = scale_with(SCALES["tiny"], ["long_from_seq=1024"])
+    rec = run_recipe(str(tmp_path / "more"), s, roots=fake_site, device="cpu", stages=("data", "target"),
+                     init_target=str(base_pair / "target"))
+    assert rec["target"]["rope_theta"]["to"] == rec["init"]["target"]["rope_theta"] == 5e5
+    assert rec["target"]["max_position_embeddings"] == 2 * s.long_to_seq
+    with pytest.raises(ValueError, match="long_from_seq .2048. must be at most long_to_seq"):
+        run_recipe(str(tmp_path / "bad"), scale_with(SCALES["tiny"], ["long_from_seq=2048"]), roots=fake_site,
+                   device="cpu", stages=("target",), init_target=str(base_pair / "target"))
+
+
 def test_recipe_command_rejects_bad_init_and_overrides(tmp_path, capsys):
     for argv, word in [(["--init-target", str(tmp_path / "none")], "--init-target"),
                        (["--init-target", str(tmp_path)], "--init-target"),  # a directory without a model
