@@ -172,8 +172,9 @@ def _stage_drafts(r: _Recipe, ablations: bool, draft_steps: int | None) -> None:
                                                 anchor_offset=anchor, flash_noisy=noisy, run=run,
                                                 save_every=max(1, steps // CURVE_POINTS) if contexts else None)
             heldout.pop(name, None)
-            if contexts:
+            if contexts:  # the curve's last point is the final checkpoint's held-out loss
                 curves[name] = checkpoint_curve(out_dir, ckpt, target, held, contexts, s.short_eval_windows, dev)
+                heldout[name] = curves[name][-1][1]
         checkpoints[name] = ckpt
         if contexts and name not in heldout:
             from longspec.model.draft import LongSpecDraft
