@@ -45,8 +45,9 @@ Step counts. At ``tiny`` they are fixed. At ``h200`` each training run gets a wa
 times a few steps and the run takes ``budget / step time`` steps (capped), so the schedule is a plain fixed-step
 cosine; the chosen counts are in ``recipe.json`` and ``--target-steps`` / ``--draft-steps`` replay them exactly
 (``--target-steps`` counts the continuation's steps in long-context mode). ``--set FIELD=VALUE`` changes one
-field of the scale (``--set long_seconds=200``, ``--set long_windows=32768x2:1``; ``none`` for no budget; ``long_from_seq`` equal to ``long_to_seq``
-continues a target already trained for that context at its own RoPE base, e.g. the h200-deep target); the
+field of the scale (``--set long_seconds=200``, ``--set long_windows=32768x2:1``; ``none`` for no budget;
+``long_from_seq`` equal to ``long_to_seq`` continues a target already trained for that context at its own RoPE
+base, e.g. the h200-deep target); the
 changed scale is recorded, and a directory only resumes under the scale it was started with.
 
 Scales. ``tiny``: seconds on a CPU (seq 256, a handful of steps): it tests the pipeline, not the model. ``h200``:
@@ -59,7 +60,8 @@ the steps on 32k x 2 windows, then 64k x 1, peak LR 5e-4; RoPE base 1e6 -> 8.55e
 max_position_embeddings 131072; drafts on 32k x 1 windows with KL weight 1 for 120 s each; stage ``short`` 45 s
 per variant on 1024 x 32 windows. ``h200-deep`` (issue 33): hidden 256, 16 layers, 4 / 2 heads, MLP 896 (16.3M
 parameters), rope_theta 1e7 and 131072 positions; 360 s of target training of which the last tenth of the steps are
-64k x 1 windows; the draft on 32k x 1 windows with KL weight 1 for 300 s. (The shipped pair, ``benchmarks/results/h200/recipe.json``, predates the
+64k x 1 windows; the draft on 32k x 1 windows with KL weight 1 for 300 s. (The shipped pair,
+``benchmarks/results/h200/recipe.json``, predates the
 long-window quarter and this mode: its target saw 8k windows only, and its tau falls beyond 8k.)
 """
 from __future__ import annotations

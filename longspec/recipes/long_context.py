@@ -110,6 +110,14 @@ def random_windows(tokens: np.ndarray, seq_len: int, batch: int, gen: torch.Gene
 # --- measuring drafts at long context -----------------------------------------------------------------------------
 
 
+def heldout_windows(tokens: np.ndarray, context: int, windows: int, seed: int, device: torch.device):
+    """The ``windows`` held-out windows of ``context`` tokens (``[1, context]`` on ``device``) that
+    :func:`draft_heldout_loss` and :func:`target_heldout_loss` score: drawn from ``seed`` and the context alone."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + context)
+    for _ in range(windows):
+        yield random_windows(tokens, context, 1, gen).to(device)
+
+
 @torch.no_grad()
 def draft_heldout_loss(draft, target, tokens: np.ndarray, contexts: Sequence[int], windows: int,
                        device: torch.device, delta: int = 1, seed: int = 3, chunk: int = 1024) -> dict[int, float]:
@@ -133,10 +141,8 @@ def draft_heldout_loss(draft, target, tokens: np.ndarray, contexts: Sequence[int
     out = {}
     try:
         for ctx in contexts:
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + ctx)
             total, count = 0.0, 0
-            for _ in range(windows):
-                ids = random_windows(tokens, ctx, 1, gen).to(device)
+            for ids in heldout_windows(tokens, ctx, windows, seed, device):
                 with autocast:
                     loss_sum, n = step_loss(draft, target, ids, torch.arange(ctx, device=device), delta, 0.0, chunk)
                 total += float(loss_sum)
@@ -155,10 +161,8 @@ def target_heldout_loss(target, tokens: np.ndarray, contexts: Sequence[int], win
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     out = {}
     for ctx in contexts:
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + ctx)
         losses = []
-        for _ in range(windows):
-            ids = random_windows(tokens, ctx, 1, gen).to(device)
+        for ids in heldout_windows(tokens, ctx, windows, seed, device):
             with autocast:
                 losses.append(float(target(input_ids=ids, labels=ids).loss))
         out[int(ctx)] = sum(losses) / len(losses)

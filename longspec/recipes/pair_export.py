@@ -53,9 +53,8 @@ def export_pair(out: str, dest: str, limit_bytes: int = SHIP_LIMIT_BYTES) -> dic
     if "init" in record:  # long-context mode: what it continued and what it changed
         summary["init"] = {k: {"dir": v["dir"], "sha256": v["sha256"]} for k, v in record["init"].items()}
         summary["target"] |= {k: record["target"][k] for k in ("rope_theta", "max_position_embeddings", "windows",
-                                                                "steps_per_window", "heldout_loss_by_context")}
+                                                                "steps_per_window")}
         summary["target"]["heldout_loss_by_context_before"] = record["init"]["target"].get("heldout_loss")
-        summary["draft"] |= {"run": record["draft"]["run"], "heldout_loss": record["draft"].get("heldout_loss")}
     _write_json(os.path.join(dest, "pair.json"), summary)
     size = _tree_bytes(target_out) + _tree_bytes(draft_out) + os.path.getsize(os.path.join(dest, "pair.json"))
     if size > limit_bytes:

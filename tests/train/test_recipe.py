@@ -154,11 +154,12 @@ def test_tiny_recipe_in_stages_with_budgets_decodes_exactly(fake_site, tmp_path)
     assert sorted(p.name for p in (out / "draft").glob("checkpoint-*")) == ["checkpoint-2"]
     with pytest.raises(ValueError, match="another scale"):
         run_recipe(str(out), "tiny", roots=fake_site, device="cpu", stages=("drafts",))
-    # a record from before draft_kl_weight existed reads as its default (0), which this scale's 0.5 is not
-    del saved["scale"]["draft_kl_weight"]
-    (out / "recipe.json").write_text(json.dumps(saved))
-    with pytest.raises(ValueError, match="draft_kl_weight"):
-        run_recipe(str(out), scale, roots=fake_site, device="cpu", stages=("drafts",))
+    # a record from before draft_kl_weight existed (no such field) resumes under a scale holding its default, 0
+    old = {**saved, "scale": {k: v for k, v in saved["scale"].items() if k != "draft_kl_weight"}}
+    (out / "recipe.json").write_text(json.dumps(old))
+    resumed = run_recipe(str(out), dataclasses.replace(scale, draft_kl_weight=0.0), roots=fake_site, device="cpu",
+                         stages=("drafts",))
+    assert resumed["draft"]["steps"] == 2 and resumed["scale"]["draft_kl_weight"] == 0.0
     (out / "recipe.json").write_text(json.dumps(record))
 
     summary = export_pair(str(out), str(tmp_path / "shipped"))
