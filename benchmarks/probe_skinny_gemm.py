@@ -2,21 +2,22 @@
 
 At Llama-3-8B shapes a draft level's three 4096 x 4096 projections (32 MB each) ran at 1.9x their byte floor in
 the draft profile (``results/h200/draft_profile.txt``): cuBLAS picks split-K for so few rows and adds a reduce
-kernel. This probe times ``torch.nn.functional.linear`` against one skinny kernel (each program owns ``BLOCK_N``
-output columns and streams their weight rows once, all M rows at a time, fp32 accumulation, no split of K and
-so no second kernel) over a small grid of launch configurations, at the draft's linear shapes (M = 1, 4, 16
-frontier rows). Each timed call reads a different copy of the weight, so the weight comes from HBM as in a real step
-(not from L2, which holds 32 MB). Output: every shape's cuBLAS time, the best Triton configuration and time, and
-both against the byte floor (weight + activations at the measured copy bandwidth). The kernel is only a probe;
-it is not part of the package.
+kernel. This probe times ``torch.mm`` against the package's ``longspec::fused_linear`` kernel
+(:mod:`longspec_ops.kernels.linear`: each program owns ``block_n`` output columns and streams their weight rows
+once, all M rows at a time, fp32 accumulation, no split of K and so no second kernel) over a grid of launch
+configurations and with its default table, at the draft's linear shapes (M = 1, 4, 16 frontier rows). Each timed
+call reads a different copy of the weight, so the weight comes from HBM as in a real step (not from L2, which holds
+32 MB). Then the fusions: the kernel with its RMSNorm / SwiGLU / residual folded in against the same work as
+separate launches (``longspec::rms_norm``, cuBLAS, PyTorch's elementwise kernels). Output: every row's times and
+both against the byte floor (weight + activations at the measured copy bandwidth).
 
 Usage (GPU): ``python -m benchmarks.probe_skinny_gemm [--out DIR]``. On a CPU ``--check`` runs the kernel under the
-Triton interpreter against ``F.linear`` (no timing). Written without device time: so far checked on the CPU
-interpreter only, never timed.
+Triton interpreter against ``F.linear`` (no timing).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -24,55 +25,28 @@ import os
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
 
-# (name, N, K): out x in features of the draft block's linears at Llama-3-8B (hidden 4096, MLP 14336, 8 KV heads of
-# 128) and its reduced 32k-token LM head.
-SHAPES = [("q/o/cross", 4096, 4096), ("k/v", 1024, 4096), ("gate/up", 14336, 4096), ("down", 4096, 14336),
-          ("lm head 32k", 32768, 4096)]
+from longspec_ops.kernels.linear import LinearConfig, default_config, fused_linear
+
+# (name, N, K): out x in features of the draft block's linears as it runs them (q/k/v and gate/up packed,
+# ``longspec/model/packing.py``): at Llama-3-8B (hidden 4096, MLP 14336, 8 KV heads of 128) with its reduced 32k-token
+# LM head, and at the shipped pair (hidden 384, MLP 1024, 2 KV heads of 64, 2k drafting vocabulary), whose step is
+# launch-bound: there the question is the fixed cost of a launch, not bandwidth.
+SHAPES = [("8B q/k/v", 6144, 4096), ("8B o/cross q/cross o", 4096, 4096), ("8B gate/up", 28672, 4096),
+          ("8B down", 4096, 14336), ("8B lm head 32k", 32768, 4096),
+          ("pair q/k/v", 640, 384), ("pair o", 384, 384), ("pair gate/up", 2048, 384), ("pair down", 384, 1024),
+          ("pair lm head 2k", 2048, 384)]
 ROWS = (1, 4, 16)
-CONFIGS = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)
-           for n, k, w, s in itertools.product((16, 32, 64), (128, 256, 512), (2, 4, 8), (3, 4, 6))]
-
-
-@triton.jit
-def _skinny_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Y[:, n-block] = X @ W[n-block, :]^T for all M (<= BLOCK_M) rows of X, K streamed in BLOCK_K steps."""
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.arange(0, BLOCK_M)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(X + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
-        w = tl.load(W + rn[:, None] * stride_wn + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
-        acc += tl.dot(x, tl.trans(w))
-    tl.store(Y + rm[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
-
-
-def skinny_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, BLOCK_N: int = 32, BLOCK_K: int = 256,
-                  num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
-    """``F.linear(x, w)`` for ``x`` [M <= 16, K] and ``w`` [N, K], both contiguous in K, into ``out`` [M, N]."""
-    M, K = x.shape
-    N = w.shape[0]
-    if M > 16 or w.shape[1] != K or x.stride(1) != 1 or w.stride(1) != 1:
-        raise ValueError(f"skinny_linear: needs x [M <= 16, K] and w [N, K] contiguous in K, got {tuple(x.shape)} "
-                         f"and {tuple(w.shape)}")
-    _skinny_kernel[(triton.cdiv(N, BLOCK_N),)](x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
-                                               BLOCK_M=16, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=num_warps,
-                                               num_stages=num_stages)
-    return out
+CONFIGS = [LinearConfig(n, k, w, s) for n, k, w, s in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 5))]
 
 
 def check(device: str = "cpu") -> None:
-    """The kernel against ``F.linear`` in float32 (interpreter-safe), ragged N and K included."""
+    """The package kernel against ``F.linear`` over the probe's sweep configurations (interpreter-safe sizes)."""
     g = torch.Generator().manual_seed(0)
     for M, N, K in ((1, 48, 96), (4, 100, 300), (16, 64, 256), (7, 33, 130)):
         x = torch.randn(M, K, generator=g).to(device)
         w = torch.randn(N, K, generator=g).to(device)
-        out = torch.empty(M, N, device=device)
-        got = skinny_linear(x, w, out, BLOCK_N=16, BLOCK_K=64, num_warps=1, num_stages=1)
+        got = fused_linear(x, w, None, None, 0.0, None, False, config=LinearConfig(16, 64, 1, 1))
         torch.testing.assert_close(got, F.linear(x, w), rtol=1e-4, atol=1e-4)
         print(f"check M={M} N={N} K={K}: ok", flush=True)
 
@@ -100,26 +74,68 @@ def probe(out_dir: str | None) -> list[dict]:
         best = None
         for cfg in CONFIGS:
             try:
-                got = skinny_linear(x, ws[0], out, **cfg)
+                got = fused_linear(x, ws[0], None, None, 0.0, None, False, config=cfg)
                 if not torch.allclose(got.float(), ref.float(), rtol=2e-2, atol=2e-2):
                     raise AssertionError(f"wrong result with {cfg}")
-                us = graph_calls_us(_rotating(lambda w, c=cfg: skinny_linear(x, w, out, **c), ws), calls=32)
-            except triton.runtime.errors.OutOfResources:
+                us = graph_calls_us(_rotating(lambda w, c=cfg: fused_linear(x, w, None, None, 0.0, None, False,
+                                                                            config=c), ws), calls=32)
+            except triton.runtime.errors.OutOfResources:  # a config too big for shared memory
                 continue
             if best is None or us < best[0]:
                 best = (us, cfg)
+        table = default_config(N, K, torch.cuda.get_device_properties(0).multi_processor_count)
+        table_us = graph_calls_us(_rotating(lambda w: fused_linear(x, w, None, None, 0.0, None, False,
+                                                                   config=table), ws), calls=32)
         row = {"shape": name, "M": M, "N": N, "K": K, "floor_us": floor_us, "cublas_us": cublas,
                "cublas_vs_floor": cublas / floor_us, "triton_us": best[0], "triton_vs_floor": best[0] / floor_us,
-               "triton_config": best[1]}
+               "triton_config": dataclasses.asdict(best[1]), "table_us": table_us,
+               "table_config": dataclasses.asdict(table)}
         rows.append(row)
         print(f"{name:12s} M={M:2d} N={N:5d} K={K:5d}: floor {floor_us:6.1f} us, cuBLAS {cublas:6.1f} "
-              f"({cublas / floor_us:.2f}x), Triton {best[0]:6.1f} ({best[0] / floor_us:.2f}x) {best[1]}", flush=True)
+              f"({cublas / floor_us:.2f}x), Triton {best[0]:6.1f} ({best[0] / floor_us:.2f}x) {best[1]}, "
+              f"table {table_us:6.1f}", flush=True)
         del ws
         torch.cuda.empty_cache()
+    fusions = probe_fusions(bw)
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "probe_skinny_gemm.json"), "w") as f:
-            json.dump({"copy_bytes_per_s": bw, "rows": rows}, f, indent=1)
+            json.dump({"copy_bytes_per_s": bw, "rows": rows, "fusions": fusions}, f, indent=1)
+    return rows
+
+
+# (name, N, K, swiglu): the fused launches of a draft level, at 16 rows
+FUSED = [("8B N1 + q/k/v", 6144, 4096, False), ("8B N3 + gate/up + SwiGLU", 28672, 4096, True),
+         ("8B o_proj + residual", 4096, 4096, False), ("pair N1 + q/k/v", 640, 384, False),
+         ("pair N3 + gate/up + SwiGLU", 2048, 384, True), ("pair o_proj + residual", 384, 384, False)]
+
+
+def probe_fusions(bw: float, M: int = 16) -> list[dict]:
+    """Each fused launch against its separate launches (norm kernel + cuBLAS + elementwise), weights rotated."""
+    from benchmarks.timing import graph_calls_us
+
+    from longspec_ops.kernels.linear import composed_linear
+
+    dev, dt = "cuda", torch.bfloat16
+    rows = []
+    for name, N, K, swiglu in FUSED:
+        residual_case = "residual" in name
+        copies = min(24, max(3, -(-(256 << 20) // (N * K * 2))))
+        ws = [torch.randn(N, K, device=dev, dtype=dt) * K ** -0.5 for _ in range(copies)]
+        x = torch.randn(M, K, device=dev, dtype=dt)
+        g = None if residual_case else torch.ones(K, device=dev, dtype=dt)
+        res = torch.randn(M, N, device=dev, dtype=dt) if residual_case else None
+        fused = graph_calls_us(_rotating(lambda w: torch.ops.longspec.fused_linear(x, w, None, g, 1e-6, res, swiglu),
+                                         ws), calls=32)
+        composed = graph_calls_us(_rotating(lambda w: composed_linear(x, w, None, g, 1e-6, res, swiglu), ws),
+                                  calls=32)
+        floor_us = (N * K + M * K + M * N) * 2 / bw * 1e6
+        rows.append({"launch": name, "M": M, "N": N, "K": K, "floor_us": floor_us, "fused_us": fused,
+                     "separate_us": composed})
+        print(f"{name:28s} M={M}: floor {floor_us:6.1f} us, fused {fused:6.1f}, separate launches {composed:6.1f}",
+              flush=True)
+        del ws
+        torch.cuda.empty_cache()
     return rows
 
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The draft step at its floor (issue 32), one device call: build, the GPU tests of what the draft step runs, then the
 # step benchmark (with the draft's kernel profile). Writes logs and results under $OUT.
-# Knobs: TESTS=0 skips the tests, TESTS=ops runs only the op tests; MODELS / CONTEXTS / TREES pick the benchmark rows;
-# PROFILE=0 skips the profile.
+# Knobs: TESTS=0 skips the tests, TESTS=ops runs only the op tests, TESTS_LAST=1 runs the decode tests after the
+# benchmark; MODELS / CONTEXTS / TREES pick the benchmark rows; PROFILE=0 skips the profile; PROBE=1 runs
+# benchmarks/probe_skinny_gemm.py while the extension builds (it needs only Triton).
 # Usage: LONGSPEC_GIT_SHA=$(git rev-parse --short HEAD) bash benchmarks/run_draft_step.sh
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
@@ -12,20 +13,28 @@ start=$(date +%s)
 elapsed() { echo "[$(( $(date +%s) - start )) s] $*"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
 LONGSPEC_BUILD_EXT=1 LONGSPEC_CUDA_ARCHS=9.0 MAX_JOBS=16 python3 -m pip install -e . --no-build-isolation --no-deps -q \
-  > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+  > "$OUT/build.log" 2>&1 &
+build=$!
+if [ "${PROBE:-0}" = 1 ]; then
+  timeout 200 python3 -m benchmarks.probe_skinny_gemm --out "$OUT" > "$OUT/probe.log" 2>&1
+  elapsed "probe rc $?"; cat "$OUT/probe.log"
+fi
+wait $build || { tail -30 "$OUT/build.log"; exit 1; }
 elapsed "built; has_cuda_kernels $(python3 -c 'import longspec_ops; print(longspec_ops.has_cuda_kernels())')"
 if [ "${TESTS:-1}" != 0 ]; then
   timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/ops/test_beam_kernel.py tests/ops/test_gpu_attention.py \
-    tests/ops/test_triton_kernels.py -k "${OPS_K:-beam or more_tree_keys or hybrid or opcheck or capture or tree}" \
+    tests/ops/test_triton_kernels.py tests/ops/test_fused_linear.py \
+    -k "${OPS_K:-beam or more_tree_keys or hybrid or opcheck or capture or tree or fused or row_alone or cuda_op}" \
     > "$OUT/tests_ops.log" 2>&1
   elapsed "op tests: $(tail -1 "$OUT/tests_ops.log")"
 fi
-if [ "${TESTS:-1}" = 1 ]; then
-  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/decode/test_gpu_decoder.py \
+decode_tests() {
+  timeout "${DECODE_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider tests/decode/test_gpu_decoder.py \
     -k "fp32_speculative_equals_plain or bf16_speculative or graphed_tail or compiled_rounds" \
     > "$OUT/tests_decode.log" 2>&1
   elapsed "decode tests: $(tail -1 "$OUT/tests_decode.log")"
-fi
+}
+[ "${TESTS:-1}" = 1 ] && [ "${TESTS_LAST:-0}" != 1 ] && decode_tests
 profile=$([ "${PROFILE:-1}" = 1 ] && echo --profile)
 # shellcheck disable=SC2086
 timeout "${BENCH_TIMEOUT:-420}" python3 -m benchmarks.bench_step_latency --models ${MODELS:-Llama-3-8B pair} \
@@ -33,3 +42,5 @@ timeout "${BENCH_TIMEOUT:-420}" python3 -m benchmarks.bench_step_latency --model
   > "$OUT/bench.log" 2>&1
 elapsed "bench rc $?"
 grep -v "^{" "$OUT/bench.log" | tail -20
+[ "${TESTS:-1}" = 1 ] && [ "${TESTS_LAST:-0}" = 1 ] && decode_tests
+exit 0

@@ -232,6 +232,43 @@ def check_invariant_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> No
     _same_device(op, **tensors)
 
 
+def check_fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None, norm_weight: Tensor | None, eps: float,
+                       residual: Tensor | None, swiglu: bool) -> None:
+    op = "fused_linear"
+    if not isinstance(x, Tensor) or x.dim() < 1:
+        _fail(op, f"x must be a Tensor [..., K], got {getattr(x, 'shape', type(x).__name__)}")
+    if x.dtype not in _FLOATS:
+        _fail(op, f"x must be float16, bfloat16, float32 or float64, got {x.dtype}")
+    _rank(op, "weight", weight, 2, "[N, K]")
+    K, N = x.shape[-1], weight.shape[0]
+    if weight.dtype != x.dtype:
+        _fail(op, f"weight must have x's dtype {x.dtype}, got {weight.dtype}")
+    if weight.shape[1] != K:
+        _fail(op, f"weight must be [N, K] with K = x's last dimension ({K}), got {tuple(weight.shape)}")
+    _last_dim_contiguous(op, "weight", weight)
+    if swiglu and N % 2:
+        _fail(op, f"swiglu needs weight = [gate; up] with an even row count N = 2 I, got N = {N}")
+    tensors = {"x": x, "weight": weight}
+    for name, t, size in (("bias", bias, N), ("norm_weight", norm_weight, K)):
+        if t is None:
+            continue
+        _rank(op, name, t, 1, f"[{size}]")
+        if t.shape[0] != size or t.dtype != x.dtype:
+            _fail(op, f"{name} must be {x.dtype} [{size}], got {t.dtype} {tuple(t.shape)}")
+        tensors[name] = t
+    if norm_weight is not None and (not (eps >= 0.0) or eps == float("inf")):
+        _fail(op, f"eps must be a finite float >= 0, got {eps}")
+    if residual is not None:
+        want = (*x.shape[:-1], N // 2 if swiglu else N)
+        if not isinstance(residual, Tensor) or tuple(residual.shape) != want or residual.dtype != x.dtype:
+            got = (f"{residual.dtype} {tuple(residual.shape)}" if isinstance(residual, Tensor)
+                   else type(residual).__name__)
+            _fail(op, f"residual must be {x.dtype} {want} (x's rows by the output width), got {got}")
+        _last_dim_contiguous(op, "residual", residual)
+        tensors["residual"] = residual
+    _same_device(op, **tensors)
+
+
 def check_rms_norm(x: Tensor, weight: Tensor, eps: float) -> None:
     op = "rms_norm"
     if not isinstance(x, Tensor) or x.dim() < 1:

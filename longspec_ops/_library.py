@@ -28,6 +28,7 @@ from . import _checks
 from .reference import attention as ref
 from .reference import beam as beam_ref
 from .reference import invariant as inv_ref
+from .reference import linear as linear_ref
 from .reference import lookup as lookup_ref
 from .reference import stats as stats_ref
 
@@ -369,6 +370,36 @@ def _rms_norm_cuda(x, weight, eps):
 
 lib.impl("rms_norm", _rms_norm_cpu, "CPU")
 lib.impl("rms_norm", _rms_norm_cuda, "CUDA")
+
+# fused_linear: a draft level's linear with its RMSNorm / SwiGLU / residual folded in (kernels/linear.py) ---------
+lib.define("fused_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? norm_weight, float eps, Tensor? residual, "
+           "bool swiglu) -> Tensor")
+
+
+@torch.library.register_fake("longspec::fused_linear", lib=lib)
+def _fused_linear_fake(x, weight, bias, norm_weight, eps, residual, swiglu):
+    _checks.check_fused_linear(x, weight, bias, norm_weight, eps, residual, swiglu)
+    N = weight.shape[0]
+    return x.new_empty((*x.shape[:-1], N // 2 if swiglu else N))
+
+
+def _fused_linear_cpu(x, weight, bias, norm_weight, eps, residual, swiglu):
+    _checks.check_fused_linear(x, weight, bias, norm_weight, eps, residual, swiglu)
+    return linear_ref.fused_linear(x, weight, bias, norm_weight, eps, residual, swiglu)
+
+
+def _fused_linear_cuda(x, weight, bias, norm_weight, eps, residual, swiglu):
+    _checks.check_fused_linear(x, weight, bias, norm_weight, eps, residual, swiglu)
+    from .kernels import linear
+
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if x.dtype == torch.float64 or rows > linear.MAX_ROWS or x.shape[-1] == 0:
+        return linear.composed_linear(x, weight, bias, norm_weight, eps, residual, swiglu)
+    return linear.fused_linear(x, weight, bias, norm_weight, eps, residual, swiglu)
+
+
+lib.impl("fused_linear", _fused_linear_cpu, "CPU")
+lib.impl("fused_linear", _fused_linear_cuda, "CUDA")
 
 # prompt_lookup_chain -------------------------------------------------------------------------------------------
 lib.define("prompt_lookup_chain(Tensor tokens, Tensor seqlens, int depth, int min_ngram, int max_ngram) "

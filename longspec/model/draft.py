@@ -80,6 +80,13 @@ class LongSpecAttention(nn.Module):
         self.o_proj = nn.Linear(hq * d, config.hidden_size, bias=False)
 
 
+def _fused(x: Tensor, weight: Tensor, bias: Optional[Tensor], *, norm: Optional[nn.Module] = None,
+           residual: Optional[Tensor] = None, swiglu: bool = False) -> Tensor:
+    """``[residual +] act(linear(norm(x)))`` as one ``longspec::fused_linear`` (``norm``: an RMSNorm module)."""
+    return torch.ops.longspec.fused_linear(x, weight, bias, None if norm is None else norm.weight,
+                                           0.0 if norm is None else float(norm.variance_epsilon), residual, swiglu)
+
+
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x ``[B, S, H, D]`` (flash layout) rotated by cos/sin ``[B, S, D]``, broadcast over heads (transformers'
     ``rotate_half`` convention, as the Llama/Qwen2 targets rotate)."""
@@ -203,14 +210,14 @@ class LongSpecDraft(PreTrainedModel):
         """
         B, S, _ = x.shape
         attn, D = self.self_attn, self.config.head_dim
-        n = self.input_layernorm(x)
-        packed = self._packed if not torch.is_grad_enabled() else None
-        if packed is not None:  # one GEMM for q, k and v (k and v only without q)
+        packed = self._drafting()
+        if packed is not None:  # one launch for N1 and q, k and v (k and v only without q)
             first = 0 if need_q else attn.num_heads * D
             bias = packed.qkv_bias[first:] if packed.qkv_bias is not None else None
-            qkv = torch.nn.functional.linear(n, packed.qkv_weight[first:], bias).view(B, S, -1, D)
+            qkv = _fused(x, packed.qkv_weight[first:], bias, norm=self.input_layernorm).view(B, S, -1, D)
             q, k, v = qkv.split([attn.num_heads if need_q else 0, attn.num_kv_heads, attn.num_kv_heads], dim=2)
         else:
+            n = self.input_layernorm(x)
             q = attn.q_proj(n).view(B, S, attn.num_heads, D) if need_q else None
             k = attn.k_proj(n).view(B, S, attn.num_kv_heads, D)
             v = attn.v_proj(n).view(B, S, attn.num_kv_heads, D)
@@ -259,7 +266,10 @@ class LongSpecDraft(PreTrainedModel):
     def after_self_attention(self, x: Tensor, self_out: Tensor) -> Tensor:
         """h1 = x + o_proj(self_out): x ``[B, S, H]``, self_out ``[B, S, Hq, D]``."""
         B, S, _ = x.shape
-        return x + self.self_attn.o_proj(self_out.reshape(B, S, -1))
+        o_proj = self.self_attn.o_proj
+        if self._drafting() is not None:
+            return _fused(self_out.reshape(B, S, -1), o_proj.weight, o_proj.bias, residual=x)
+        return x + o_proj(self_out.reshape(B, S, -1))
 
     def cross_query(self, h1: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """Cross-attention queries ``[B, S, Hq, D]``, rotated at the tokens' own positions.
@@ -267,24 +277,43 @@ class LongSpecDraft(PreTrainedModel):
         ``cross_attn.k_proj`` / ``v_proj`` are dead weights: keys and values are the target's own cache rows.
         """
         B, S, _ = h1.shape
-        ca = self.cross_attn
-        return apply_rope(ca.q_proj(self.post_self_attention_layernorm(h1)).view(B, S, ca.num_heads, ca.head_dim),
-                          cos, sin)
+        ca, norm = self.cross_attn, self.post_self_attention_layernorm
+        if self._drafting() is not None:
+            q = _fused(h1, ca.q_proj.weight, ca.q_proj.bias, norm=norm)
+        else:
+            q = ca.q_proj(norm(h1))
+        return apply_rope(q.view(B, S, ca.num_heads, ca.head_dim), cos, sin)
 
     def after_cross_attention(self, h1: Tensor, cross: Tensor) -> Tensor:
-        """out = h2 + MLP(N3(h2)) with h2 = h1 + o_proj(cross); cross ``[B, S, Hq, D]``."""
+        """out = h2 + MLP(N3(h2)) with h2 = h1 + o_proj(cross); cross ``[B, S, Hq, D]``.
+
+        Drafting runs it as three ``longspec::fused_linear`` launches: o_proj with the residual, N3 + gate/up +
+        SwiGLU (the act in the launch when it is SiLU), down_proj with the residual."""
         B, S, _ = h1.shape
-        h2 = h1 + self.cross_attn.o_proj(cross.reshape(B, S, -1))
-        n = self.post_cross_attention_layernorm(h2)
-        packed = self._packed if not torch.is_grad_enabled() else None
+        o_proj, norm, mlp = self.cross_attn.o_proj, self.post_cross_attention_layernorm, self.mlp
+        packed = self._drafting()
         if packed is None:
-            return h2 + self.mlp(n)
-        gate, up = torch.nn.functional.linear(n, packed.gate_up_weight, packed.gate_up_bias).chunk(2, dim=-1)
-        return h2 + self.mlp.down_proj(self.mlp.act_fn(gate) * up)
+            h2 = h1 + o_proj(cross.reshape(B, S, -1))
+            return h2 + mlp(norm(h2))
+        h2 = _fused(cross.reshape(B, S, -1), o_proj.weight, o_proj.bias, residual=h1)
+        if self.config.hidden_act in ("silu", "swish"):  # transformers' names of one function
+            act = _fused(h2, packed.gate_up_weight, packed.gate_up_bias, norm=norm, swiglu=True)
+        else:
+            gate, up = _fused(h2, packed.gate_up_weight, packed.gate_up_bias, norm=norm).chunk(2, dim=-1)
+            act = mlp.act_fn(gate) * up
+        return _fused(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=h2)
+
+    def _drafting(self) -> Optional[Packed]:
+        """The packed projections while drafting (gradients off, :meth:`pack_for_drafting` done), else None:
+        drafting runs the block's linears as ``longspec::fused_linear`` (norms, SwiGLU and residual adds folded
+        in; on the CPU and above 16 rows the same composition of PyTorch ops as training's path)."""
+        return self._packed if not torch.is_grad_enabled() else None
 
     def logits(self, out: Tensor) -> Tensor:
         """out ``[B, S, H]`` -> logits ``[B, S, V]`` through the target's LM head, with no final norm."""
         head = self._require_target().lm_head
+        if self._drafting() is not None:
+            return _fused(out.to(head.weight.dtype), head.weight, head.bias)
         return head(out.to(head.weight.dtype))
 
     # --- the reduced drafting vocabulary ---------------------------------------------------------------------------
@@ -334,6 +363,8 @@ class LongSpecDraft(PreTrainedModel):
         target token ``draft_vocab[j]``; the full head's logits when none is set)."""
         if self.draft_vocab is None:
             return self.logits(out)
+        if self._drafting() is not None:
+            return _fused(out.to(self._draft_head.dtype), self._draft_head, None)
         return torch.nn.functional.linear(out.to(self._draft_head.dtype), self._draft_head)
 
     def target_token_ids(self, draft_ids: Tensor) -> Tensor:

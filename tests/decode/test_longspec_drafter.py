@@ -252,7 +252,8 @@ class GemmShapes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func.overloadpacket in (torch.ops.aten.linear, torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+        if func.overloadpacket in (torch.ops.aten.linear, torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm,
+                                   torch.ops.longspec.fused_linear):  # drafting's linears (norm etc. folded in)
             self.shapes.append((out.shape[:-1].numel(), out.shape[-1]))
         return out
 

@@ -1,0 +1,153 @@
+"""``longspec::fused_linear`` (``longspec_ops.kernels.linear``): the kernel against its reference under the
+flash-attention tolerance rule, the op's CPU path against the draft block's unfused modules bit for bit, row
+independence, and bad input. Without a GPU the kernel runs under the Triton interpreter (float16 / float32)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
+
+import longspec_ops  # noqa: E402,F401
+from longspec_ops.kernels.linear import MAX_ROWS, LinearConfig, default_config, fused_linear  # noqa: E402
+from longspec_ops.reference import linear as ref  # noqa: E402
+
+from .test_invariant_kernels import _row_local_dot  # noqa: E402,F401
+from .test_triton_kernels import DEVICE, DTYPES, INTERPRET, _interpreter_loop_bounds  # noqa: E402,F401
+
+SMALL = LinearConfig(block_n=16, block_k=16, num_warps=1, num_stages=1)  # many programs and K steps at toy sizes
+FLOOR = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1e-5}  # where the same-precision reference is exact
+# (bias, norm, residual, swiglu): each fusion alone, all together, none
+FLAGS = [(False, False, False, False), (True, False, False, False), (False, True, False, False),
+         (False, False, True, False), (False, False, False, True), (True, True, True, True)]
+FLAG_IDS = ["plain", "bias", "norm", "residual", "swiglu", "all"]
+
+
+def _rand(*shape, dtype, seed, scale=1.0):
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(DEVICE, dtype)
+
+
+def _args(M, N, K, dtype, flags, lead=()):
+    bias, norm, residual, swiglu = flags
+    n_out = N // 2 if swiglu else N
+    x = _rand(*lead, M, K, dtype=dtype, seed=0)
+    w = _rand(N, K, dtype=dtype, seed=1, scale=K ** -0.5)
+    return (x, w, _rand(N, dtype=dtype, seed=2) if bias else None,
+            (1.0 + _rand(K, dtype=dtype, seed=3, scale=0.1)) if norm else None, 1e-6,
+            _rand(*lead, M, n_out, dtype=dtype, seed=4) if residual else None, swiglu)
+
+
+def _up(args):
+    return [a.double() if torch.is_tensor(a) else a for a in args]
+
+
+@pytest.mark.parametrize("flags", FLAGS, ids=FLAG_IDS)
+@pytest.mark.parametrize("config", [None, SMALL], ids=["table", "small"])
+@pytest.mark.parametrize("M", [1, 5, MAX_ROWS])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_within_twice_the_references_error(dtype, M, config, flags):
+    """err(kernel, float64) <= 2 err(same-precision reference, float64) + a floor, with N and K ragged against
+    the tiles (48 / 2 x 24 outputs, 72 inputs)."""
+    args = _args(M, 48, 72, dtype, flags)
+    got = fused_linear(*args, config=config)
+    want = ref.fused_linear(*_up(args))
+    same = ref.fused_linear(*args)
+    assert got.shape == want.shape == (M, 24 if flags[3] else 48) and got.dtype == dtype
+    err = (got.double() - want).abs().max().item()
+    ref_err = (same.double() - want).abs().max().item()
+    assert err <= 2 * ref_err + FLOOR[dtype], f"error {err:.3g} vs reference error {ref_err:.3g}"
+
+
+def test_leading_dims_and_strided_residual():
+    """[B, S, K] inputs keep their leading dims; a residual that is a column slice (last dim contiguous) works."""
+    args = list(_args(3, 40, 32, torch.float32, (True, True, False, False), lead=(2,)))
+    wide = _rand(2, 3, 80, dtype=torch.float32, seed=9)
+    args[5] = wide[..., :40]
+    got = fused_linear(*args)
+    assert got.shape == (2, 3, 40)
+    torch.testing.assert_close(got, ref.fused_linear(*args), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.usefixtures("_row_local_dot")
+@pytest.mark.parametrize("swiglu", [False, True], ids=["linear", "swiglu"])
+def test_a_row_alone_equals_the_row_in_a_full_call(swiglu):
+    """The launch depends on (N, K) only and no row sees another: row i computed alone is bitwise row i of a
+    16-row call (the interpreter's dot is made row-local, as tensor cores are)."""
+    dtype = torch.float16
+    args = _args(MAX_ROWS, 64, 96, dtype, (True, True, True, swiglu))
+    full = fused_linear(*args)
+    for i in (0, 7, MAX_ROWS - 1):
+        alone = list(args)
+        alone[0] = args[0][i:i + 1]
+        alone[5] = args[5][i:i + 1]
+        assert torch.equal(fused_linear(*alone), full[i:i + 1])
+
+
+def test_cpu_op_is_the_draft_blocks_unfused_modules_bit_for_bit():
+    """On the CPU the op is the composition drafting used before: LlamaRMSNorm, nn.Linear, F.silu(gate) * up and
+    the residual add give the same bits, in bfloat16 and float32."""
+    for dtype in (torch.bfloat16, torch.float32):
+        g = torch.Generator().manual_seed(5)
+        x = torch.randn(2, 3, 64, generator=g).to(dtype)
+        h = torch.randn(2, 3, 48, generator=g).to(dtype)
+        norm = LlamaRMSNorm(64, eps=1e-5).to(dtype)
+        norm.weight.data = (1 + 0.1 * torch.randn(64, generator=g)).to(dtype)
+        lin = torch.nn.Linear(64, 96, bias=True).to(dtype)
+        got = torch.ops.longspec.fused_linear(x, lin.weight, lin.bias, norm.weight, 1e-5, h, True)
+        gate, up = lin(norm(x)).chunk(2, dim=-1)
+        assert torch.equal(got, h + F.silu(gate) * up)
+
+
+def test_default_config_rule():
+    """The probe's table: 64 columns a program where that still fills 0.7 of the SMs at real widths, else 32;
+    narrow K (small models) 16 or 32 columns in 128-wide steps."""
+    assert default_config(6144, 4096, 132) == LinearConfig(64, 256, 4, 5)
+    assert default_config(4096, 4096, 132) == LinearConfig(32, 256, 4, 5)
+    assert default_config(4096, 14336, 132).block_n == 32 and default_config(32768, 4096, 132).block_n == 64
+    assert default_config(640, 384, 132) == LinearConfig(16, 128, 4, 3)
+    assert default_config(2048, 384, 132) == LinearConfig(32, 128, 4, 3)
+    with pytest.raises(ValueError, match="block_n must be a power of two"):
+        LinearConfig(block_n=24, block_k=64)
+
+
+def test_the_kernel_refuses_more_rows_than_one_tile():
+    x, w = torch.zeros(MAX_ROWS + 1, 16), torch.zeros(16, 16)
+    with pytest.raises(ValueError, match=f"at most {MAX_ROWS} rows"):
+        fused_linear(x, w, None, None, 0.0, None, False)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(weight=torch.zeros(8, 5)), "weight must be \\[N, K\\] with K = x's last dimension \\(4\\)"),
+    (dict(weight=torch.zeros(8, 4, dtype=torch.float16)), "weight must have x's dtype"),
+    (dict(bias=torch.zeros(7)), "bias must be torch.float32 \\[8\\]"),
+    (dict(norm_weight=torch.zeros(5)), "norm_weight must be torch.float32 \\[4\\]"),
+    (dict(norm_weight=torch.ones(4), eps=-1.0), "eps must be a finite float >= 0"),
+    (dict(weight=torch.zeros(7, 4), swiglu=True), "swiglu needs weight = \\[gate; up\\] with an even row count"),
+    (dict(residual=torch.zeros(3, 5)), "residual must be torch.float32 \\(3, 8\\)"),
+    (dict(residual=torch.zeros(3, 8), swiglu=True), "residual must be torch.float32 \\(3, 4\\)"),
+    (dict(x=torch.zeros(3, 4, dtype=torch.int32)), "x must be float16, bfloat16, float32 or float64"),
+])
+def test_bad_input_names_the_argument(kwargs, match):
+    args = dict(x=torch.zeros(3, 4), weight=torch.zeros(8, 4), bias=None, norm_weight=None, eps=1e-6,
+                residual=None, swiglu=False)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        torch.ops.longspec.fused_linear(**args)
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.skipif(INTERPRET, reason="the CUDA dispatch")
+def test_cuda_op_takes_the_kernel_up_to_16_rows_and_cublas_above():
+    """bf16 at Llama-3-8B's draft widths: the op within the tolerance rule of the float64 composition with 16 rows
+    (the kernel, default table) and with 48 rows (the composed path: longspec::rms_norm, cuBLAS)."""
+    for M in (1, MAX_ROWS, 48):
+        for flags in ((True, True, False, False), (False, True, False, True), (False, False, True, False)):
+            args = _args(M, 2 * 1024 if flags[3] else 1024, 4096, torch.bfloat16, flags)
+            got = torch.ops.longspec.fused_linear(*args)
+            want = ref.fused_linear(*_up(args))
+            err = (got.double() - want).abs().max().item()
+            ref_err = (ref.fused_linear(*args).double() - want).abs().max().item()
+            assert err <= 2 * ref_err + FLOOR[torch.bfloat16], (M, flags, err, ref_err)
