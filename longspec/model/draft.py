@@ -312,7 +312,7 @@ class LongSpecDraft(PreTrainedModel):
     def logits(self, out: Tensor) -> Tensor:
         """out ``[B, S, H]`` -> logits ``[B, S, V]`` through the target's LM head, with no final norm."""
         head = self._require_target().lm_head
-        if self._drafting() is not None:
+        if self._drafting() is not None and not _is_dtensor(head.weight):  # a tensor-parallel head: its own path
             return _fused(out.to(head.weight.dtype), head.weight, head.bias)
         return head(out.to(head.weight.dtype))
 
