@@ -3,7 +3,7 @@
 # step benchmark (with the draft's kernel profile). Writes logs and results under $OUT.
 # Knobs: TESTS=0 skips the tests, TESTS=ops runs only the op tests, TESTS_LAST=1 runs the decode tests after the
 # benchmark; MODELS / CONTEXTS / TREES pick the benchmark rows; PROFILE=0 skips the profile; PROBE=1 runs
-# benchmarks/probe_skinny_gemm.py while the extension builds (it needs only Triton).
+# benchmarks/probe_skinny_gemm.py (with PROBE_ARGS) while the extension builds (it needs only Triton).
 # Usage: LONGSPEC_GIT_SHA=$(git rev-parse --short HEAD) bash benchmarks/run_draft_step.sh
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
@@ -16,7 +16,7 @@ LONGSPEC_BUILD_EXT=1 LONGSPEC_CUDA_ARCHS=9.0 MAX_JOBS=16 python3 -m pip install 
   > "$OUT/build.log" 2>&1 &
 build=$!
 if [ "${PROBE:-0}" = 1 ]; then
-  timeout 200 python3 -m benchmarks.probe_skinny_gemm --out "$OUT" > "$OUT/probe.log" 2>&1
+  timeout 200 python3 -m benchmarks.probe_skinny_gemm ${PROBE_ARGS:-} --out "$OUT" > "$OUT/probe.log" 2>&1
   elapsed "probe rc $?"; cat "$OUT/probe.log"
 fi
 wait $build || { tail -30 "$OUT/build.log"; exit 1; }

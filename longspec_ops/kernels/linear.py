@@ -7,16 +7,20 @@ weight row once for all (<= 16) rows of x: program ``p`` owns output columns ``[
 streams their weight rows over K in ``BLOCK_K`` steps (no split of K, so no second kernel) and accumulates in
 float32 on the tensor cores. Around the GEMM, under constexpr flags:
 
-* ``HAS_NORM``: x is RMS-normalised first (a first pass over x's rows for the mean square, then each K step is
-  normalised as it is loaded), rounding like transformers' ``LlamaRMSNorm``: ``w * (x * rstd).to(x.dtype)``;
+* ``HAS_NORM``: x is RMS-normalised first, in the same pass: each K step multiplies x by the norm's weight as it
+  is loaded (rounded to x's dtype for the tensor cores) and adds to the rows' mean square, and the accumulator is
+  scaled by ``rstd`` at the end (``norm(x) W^T = rstd * ((x * g) W^T)``). A statistics pass before the GEMM cost
+  4-17 us a launch at Llama-3-8B widths (the weight stream waited for it);
 * ``SWIGLU``: ``weight`` is the packed ``[gate; up]`` projection; the program accumulates gate columns ``n`` and up
   columns ``I + n`` side by side and stores ``silu(gate) * up`` (``I`` columns, not ``2 I``);
 * ``HAS_RES``: ``residual + y`` in the epilogue.
 
-Every intermediate is rounded to x's dtype where the unfused ops round (bias into the float32 accumulator, then
-the activation, the product and the residual add each in x's dtype), so the fused result differs from the
-composition (:func:`longspec_ops.reference.linear.fused_linear`) only by the GEMM's accumulation order. A row
-never sees another row, and the launch depends on (N, K) only, never on M.
+After the GEMM every intermediate is rounded to x's dtype where the unfused ops round (bias into the float32
+accumulator, then the activation, the product and the residual add each in x's dtype). The fused result differs
+from the composition (:func:`longspec_ops.reference.linear.fused_linear`) by the GEMM's accumulation order and,
+with the norm, by where the normalised input is rounded (``x * g`` here, ``x * rstd`` and then ``g *`` that in
+``LlamaRMSNorm``): rounding-level differences, held to the flash-attention tolerance rule by the tests. A row never
+sees another row, and the launch depends on (N, K) only, never on M.
 
 Speed (``python -m benchmarks.probe_skinny_gemm``, H200, bf16, weights from HBM; results/h200/NOTES.md): against
 cuBLAS at 1-16 rows, 11.1-11.3 us vs 13.3-13.5 for a 4096 x 4096 weight, 30.5-30.9 vs 32.6-33.3 for 4096 x 14336,
@@ -58,17 +62,23 @@ class LinearConfig:
                              f"{self.num_stages}")
 
 
-def default_config(n_out: int, k: int, num_sms: int = 132) -> LinearConfig:
+def default_config(n_out: int, k: int, num_sms: int = 132, swiglu: bool = False) -> LinearConfig:
     """The probe's best launches (H200, results/h200/probe_skinny_gemm.json), as a rule of (output columns, K).
 
-    Wide K (>= 2048, real model widths): 256-element K steps, 5 stages, and 64 columns a program when that still
-    gives >= 0.7 programs per SM (q/k/v, LM heads, gate/up), else 32 (4096-column outputs: 128 programs). Narrow K
-    (small models, launch-bound): 128-element steps, 3 stages, 16 columns for <= 1024 outputs, else 32.
+    A program reads ``block_n`` weight rows (``2 block_n`` with SwiGLU: gate and up). Wide K (>= 2048, real model
+    widths): 64 rows a program when that still gives >= 0.7 programs per SM, else 32 (a 4096-column output: 128
+    programs); with more than 1.5 waves of programs (LM heads, gate/up) small tiles (128-element K steps, 3 stages)
+    so that two programs share an SM, else one deep pipeline (5 stages, 256-element steps at 32 rows, 128 at 64).
+    Narrow K (small models, launch-bound): 16 rows a program for <= 1024 outputs, else 32; 512-element K steps from
+    K = 1024, else 128; 3 stages.
     """
+    per_row = 2 if swiglu else 1
     if k >= 2048:
-        block_n = 64 if triton.cdiv(n_out, 64) >= 0.7 * num_sms else 32
-        return LinearConfig(block_n, 256, 4, 5)
-    return LinearConfig(16 if n_out <= 1024 else 32, 128, 4, 3)
+        rows = 64 if triton.cdiv(n_out * per_row, 64) >= 0.7 * num_sms else 32
+        if triton.cdiv(n_out * per_row, 64) > 1.5 * num_sms:
+            return LinearConfig(rows // per_row, 128, 4, 3)
+        return LinearConfig(rows // per_row, 256 if rows == 32 else 128, 4, 5)
+    return LinearConfig(max(16, (16 if n_out <= 1024 else 32) // per_row), 512 if k >= 1024 else 128, 4, 3)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -92,25 +102,21 @@ def _fused_linear_kernel(
     n_ok = rn < N_OUT
     x_rows = X + rm[:, None] * stride_xm
 
-    if HAS_NORM:
-        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            rk = k0 + offs_k
-            xs = tl.load(x_rows + rk[None, :], mask=m_ok[:, None] & (rk < K)[None, :], other=0.0).to(tl.float32)
-            ss += tl.sum(xs * xs, 1)
-        rstd = tl.rsqrt(ss / K + eps)
-
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if SWIGLU:
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if HAS_NORM:
+        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + offs_k
         k_ok = rk < K
         x = tl.load(x_rows + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         if HAS_NORM:
-            g = tl.load(G + rk, mask=k_ok, other=0.0).to(tl.float32)
-            xn = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)  # LlamaRMSNorm rounds here ...
-            x = (g[None, :] * xn.to(tl.float32)).to(x.dtype)  # ... and after the weight
+            # norm(x) W^T = rstd * ((x * g) W^T): the mean square accumulates in the same pass over x, and rstd
+            # scales the accumulator at the end (one pass, the weight stream never waits for a statistics pass)
+            xf = x.to(tl.float32)
+            ss += tl.sum(xf * xf, 1)
+            x = (xf * tl.load(G + rk, mask=k_ok, other=0.0).to(tl.float32)[None, :]).to(x.dtype)
         w_mask = n_ok[:, None] & k_ok[None, :]
         w = tl.load(W + rn[:, None] * stride_wn + rk[None, :], mask=w_mask, other=0.0)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
@@ -119,6 +125,11 @@ def _fused_linear_kernel(
             acc_up = tl.dot(x, tl.trans(wu), acc_up, input_precision=DOT_PRECISION)
 
     DT = Y.dtype.element_ty
+    if HAS_NORM:
+        rstd = tl.rsqrt(ss / K + eps)
+        acc = acc * rstd[:, None]
+        if SWIGLU:
+            acc_up = acc_up * rstd[:, None]
     if HAS_BIAS:
         acc += tl.load(BIAS + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y = acc.to(DT)
@@ -155,7 +166,7 @@ def fused_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], norm_weight:
     if M > 0 and n_out > 0:
         res2 = _rows(residual, n_out) if residual is not None else out
         if config is None:
-            config = default_config(n_out, K, _num_sms(x.device))
+            config = default_config(n_out, K, _num_sms(x.device), bool(swiglu))
         _fused_linear_kernel[(triton.cdiv(n_out, config.block_n),)](
             x2, weight, bias if bias is not None else x2, norm_weight if norm_weight is not None else x2, res2, out,
             M, n_out, K, x2.stride(0), weight.stride(0), res2.stride(0), float(eps),

@@ -104,11 +104,18 @@ def test_cpu_op_is_the_draft_blocks_unfused_modules_bit_for_bit():
 def test_default_config_rule():
     """The probe's table: 64 columns a program where that still fills 0.7 of the SMs at real widths, else 32;
     narrow K (small models) 16 or 32 columns in 128-wide steps."""
-    assert default_config(6144, 4096, 132) == LinearConfig(64, 256, 4, 5)
-    assert default_config(4096, 4096, 132) == LinearConfig(32, 256, 4, 5)
-    assert default_config(4096, 14336, 132).block_n == 32 and default_config(32768, 4096, 132).block_n == 64
+    assert default_config(6144, 4096, 132) == LinearConfig(64, 128, 4, 5)  # q/k/v: 96 programs
+    assert default_config(4096, 4096, 132) == LinearConfig(32, 256, 4, 5)  # o_proj: 128 programs
+    assert default_config(4096, 14336, 132) == LinearConfig(32, 256, 4, 5)  # down_proj
+    assert default_config(32768, 4096, 132) == LinearConfig(64, 128, 4, 3)  # a 32k LM head: 512 programs
+    assert default_config(14336, 4096, 132, swiglu=True) == LinearConfig(32, 128, 4, 3)  # gate/up: 2 x 32 rows
     assert default_config(640, 384, 132) == LinearConfig(16, 128, 4, 3)
     assert default_config(2048, 384, 132) == LinearConfig(32, 128, 4, 3)
+    assert default_config(384, 1024, 132) == LinearConfig(16, 512, 4, 3)
+    assert default_config(1024, 384, 132, swiglu=True) == LinearConfig(16, 128, 4, 3)
+    for n, k, swiglu in ((6144, 4096, False), (4096, 14336, False), (14336, 4096, True), (128256, 4096, False)):
+        c = default_config(n, k, 132, swiglu)  # shared memory per program (x + weight tiles, 16-bit) fits sm_90's
+        assert c.num_stages * (16 + (2 if swiglu else 1) * c.block_n) * c.block_k * 2 <= 227 * 1024, (n, k)
     with pytest.raises(ValueError, match="block_n must be a power of two"):
         LinearConfig(block_n=24, block_k=64)
 
