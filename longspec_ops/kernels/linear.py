@@ -7,25 +7,29 @@ weight row once for all (<= 16) rows of x: program ``p`` owns output columns ``[
 streams their weight rows over K in ``BLOCK_K`` steps (no split of K, so no second kernel) and accumulates in
 float32 on the tensor cores. Around the GEMM, under constexpr flags:
 
-* ``HAS_NORM``: x is RMS-normalised first, in the same pass: each K step multiplies x by the norm's weight as it
-  is loaded (rounded to x's dtype for the tensor cores) and adds to the rows' mean square, and the accumulator is
-  scaled by ``rstd`` at the end (``norm(x) W^T = rstd * ((x * g) W^T)``). A statistics pass before the GEMM cost
-  4-17 us a launch at Llama-3-8B widths (the weight stream waited for it);
+* ``HAS_NORM``: x is RMS-normalised first (a first pass over x's rows for the mean square, then each K step is
+  normalised as it is loaded), rounding like transformers' ``LlamaRMSNorm``: ``w * (x * rstd).to(x.dtype)``. Only
+  for narrow rows (K < :data:`NORM_IN_KERNEL_BELOW`): at real widths both ways of folding the norm in were slower
+  than a separate ``longspec::rms_norm`` launch (N1 + q/k/v at Llama-3-8B, 16 rows: 22.6 us with this statistics
+  pass, 35.5 us with one pass that scales the accumulator by rstd, against 18.3-18.6 us for the two launches), so
+  :func:`fused_linear` launches the norm separately there; at the shipped pair's width (K = 384) the statistics
+  pass won, 3.9 us against 4.4;
 * ``SWIGLU``: ``weight`` is the packed ``[gate; up]`` projection; the program accumulates gate columns ``n`` and up
   columns ``I + n`` side by side and stores ``silu(gate) * up`` (``I`` columns, not ``2 I``);
 * ``HAS_RES``: ``residual + y`` in the epilogue.
 
-After the GEMM every intermediate is rounded to x's dtype where the unfused ops round (bias into the float32
-accumulator, then the activation, the product and the residual add each in x's dtype). The fused result differs
-from the composition (:func:`longspec_ops.reference.linear.fused_linear`) by the GEMM's accumulation order and,
-with the norm, by where the normalised input is rounded (``x * g`` here, ``x * rstd`` and then ``g *`` that in
-``LlamaRMSNorm``): rounding-level differences, held to the flash-attention tolerance rule by the tests. A row never
-sees another row, and the launch depends on (N, K) only, never on M.
+Every intermediate is rounded to x's dtype where the unfused ops round (bias into the float32 accumulator, then
+the activation, the product and the residual add each in x's dtype), so the fused result differs from the
+composition (:func:`longspec_ops.reference.linear.fused_linear`) only by the GEMM's accumulation order. A row
+never sees another row, and the launch depends on (N, K) only, never on M.
 
-Speed (``python -m benchmarks.probe_skinny_gemm``, H200, bf16, weights from HBM; results/h200/NOTES.md): against
-cuBLAS at 1-16 rows, 11.1-11.3 us vs 13.3-13.5 for a 4096 x 4096 weight, 30.5-30.9 vs 32.6-33.3 for 4096 x 14336,
-63.5-64.9 vs 66.4-67.6 for a 32k-row LM head, equal for 28672 x 4096; 2.3-3.1 us vs 2.9-3.9 at the shipped
-pair's shapes (hidden 384). The table in :func:`default_config` comes from that probe.
+Speed (``python -m benchmarks.probe_skinny_gemm``, H200, bf16, 1-16 rows, weights from HBM; results/h200/NOTES.md,
+"fused_linear"): against cuBLAS, 15.5-15.8 us vs 16.1-17.1 for Llama-3-8B's packed q/k/v, 11.4-11.5 vs 13.4-13.6
+for a 4096 x 4096 weight, 30.7-31.1 vs 32.1-32.9 for 4096 x 14336, 63.5-64.3 vs 65.7-67.0 for a 32k-row LM head,
+57.3-59.0 vs 57.0-57.7 for 28672 x 4096 (gate/up); 2.4-3.2 us vs 2.9-3.7 at the shipped pair's shapes. The
+residual in the epilogue: 11.5-11.7 us against 15.1-15.4 for cuBLAS + add at 4096 x 4096, 2.5-2.6 against 4.1-4.2
+at the pair; N3 + gate/up + SwiGLU at the pair 4.7 against 9.6 (at Llama-3-8B's width, with its norm launched
+separately, not timed). :func:`default_config` is the sweep's best launch per shape.
 """
 from __future__ import annotations
 
@@ -41,6 +45,7 @@ from ..reference import linear as _ref
 from .configs import _num_sms
 
 MAX_ROWS = 16  # rows the kernel takes in one launch (one tensor-core tile); more rows take the composed path
+NORM_IN_KERNEL_BELOW = 2048  # K from which the norm is its own launch (see HAS_NORM in the module docstring)
 
 
 @dataclass(frozen=True)
@@ -102,21 +107,25 @@ def _fused_linear_kernel(
     n_ok = rn < N_OUT
     x_rows = X + rm[:, None] * stride_xm
 
+    if HAS_NORM:
+        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + offs_k
+            xs = tl.load(x_rows + rk[None, :], mask=m_ok[:, None] & (rk < K)[None, :], other=0.0).to(tl.float32)
+            ss += tl.sum(xs * xs, 1)
+        rstd = tl.rsqrt(ss / K + eps)
+
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if SWIGLU:
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if HAS_NORM:
-        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + offs_k
         k_ok = rk < K
         x = tl.load(x_rows + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         if HAS_NORM:
-            # norm(x) W^T = rstd * ((x * g) W^T): the mean square accumulates in the same pass over x, and rstd
-            # scales the accumulator at the end (one pass, the weight stream never waits for a statistics pass)
-            xf = x.to(tl.float32)
-            ss += tl.sum(xf * xf, 1)
-            x = (xf * tl.load(G + rk, mask=k_ok, other=0.0).to(tl.float32)[None, :]).to(x.dtype)
+            g = tl.load(G + rk, mask=k_ok, other=0.0).to(tl.float32)
+            xn = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)  # LlamaRMSNorm rounds here ...
+            x = (g[None, :] * xn.to(tl.float32)).to(x.dtype)  # ... and after the weight
         w_mask = n_ok[:, None] & k_ok[None, :]
         w = tl.load(W + rn[:, None] * stride_wn + rk[None, :], mask=w_mask, other=0.0)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
@@ -125,11 +134,6 @@ def _fused_linear_kernel(
             acc_up = tl.dot(x, tl.trans(wu), acc_up, input_precision=DOT_PRECISION)
 
     DT = Y.dtype.element_ty
-    if HAS_NORM:
-        rstd = tl.rsqrt(ss / K + eps)
-        acc = acc * rstd[:, None]
-        if SWIGLU:
-            acc_up = acc_up * rstd[:, None]
     if HAS_BIAS:
         acc += tl.load(BIAS + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y = acc.to(DT)
@@ -162,6 +166,8 @@ def fused_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], norm_weight:
     M = x2.shape[0]
     if M > MAX_ROWS:
         raise ValueError(f"fused_linear kernel: at most {MAX_ROWS} rows per launch, got {M}")
+    if norm_weight is not None and K >= NORM_IN_KERNEL_BELOW:
+        x2, norm_weight = torch.ops.longspec.rms_norm(x2, norm_weight, float(eps)), None
     out = torch.empty((M, n_out), dtype=x.dtype, device=x.device)
     if M > 0 and n_out > 0:
         res2 = _rows(residual, n_out) if residual is not None else out
@@ -187,4 +193,4 @@ def composed_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], norm_weig
     return _ref.fused_linear(x, weight, bias, None, eps, residual, swiglu)
 
 
-__all__ = ["LinearConfig", "MAX_ROWS", "composed_linear", "default_config", "fused_linear"]
+__all__ = ["LinearConfig", "MAX_ROWS", "NORM_IN_KERNEL_BELOW", "composed_linear", "default_config", "fused_linear"]

@@ -12,7 +12,8 @@ pytest.importorskip("triton")
 from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
 
 import longspec_ops  # noqa: E402,F401
-from longspec_ops.kernels.linear import MAX_ROWS, LinearConfig, default_config, fused_linear  # noqa: E402
+from longspec_ops.kernels.linear import (MAX_ROWS, NORM_IN_KERNEL_BELOW, LinearConfig, default_config,  # noqa: E402
+                                         fused_linear)
 from longspec_ops.reference import linear as ref  # noqa: E402
 
 from .test_invariant_kernels import _row_local_dot  # noqa: E402,F401
@@ -59,6 +60,16 @@ def test_kernel_within_twice_the_references_error(dtype, M, config, flags):
     err = (got.double() - want).abs().max().item()
     ref_err = (same.double() - want).abs().max().item()
     assert err <= 2 * ref_err + FLOOR[dtype], f"error {err:.3g} vs reference error {ref_err:.3g}"
+
+
+def test_wide_rows_normalise_in_their_own_launch():
+    """From K = NORM_IN_KERNEL_BELOW the norm is a longspec::rms_norm launch before the kernel: same tolerance."""
+    args = _args(3, 32, NORM_IN_KERNEL_BELOW, torch.float32, (True, True, True, True))
+    got = fused_linear(*args, config=LinearConfig(16, 256, 4, 1))
+    want = ref.fused_linear(*_up(args))
+    err = (got.double() - want).abs().max().item()
+    ref_err = (ref.fused_linear(*args).double() - want).abs().max().item()
+    assert err <= 2 * ref_err + FLOOR[torch.float32], (err, ref_err)
 
 
 def test_leading_dims_and_strided_residual():
