@@ -58,6 +58,7 @@ def _rotating(fn_of, copies):
 
 
 def probe(out_dir: str | None, sweep: bool = True) -> list[dict]:
+    from benchmarks.harness import environment
     from benchmarks.timing import graph_calls_us, measure_peaks
 
     dev, dt = "cuda", torch.bfloat16
@@ -100,7 +101,8 @@ def probe(out_dir: str | None, sweep: bool = True) -> list[dict]:
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "probe_skinny_gemm.json"), "w") as f:
-            json.dump({"copy_bytes_per_s": bw, "rows": rows, "fusions": fusions}, f, indent=1)
+            json.dump({"environment": environment(), "copy_bytes_per_s": bw, "rows": rows, "fusions": fusions}, f,
+                      indent=1)
     return rows
 
 
