@@ -176,6 +176,24 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
     return _ops.rms_norm(x, weight, float(eps))
 
 
+def fused_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, norm_weight: Optional[Tensor] = None,
+                 eps: float = 1e-6, residual: Optional[Tensor] = None, swiglu: bool = False) -> Tensor:
+    """``[residual +] act(linear(norm(x)))``: a draft level's linear with its neighbours folded in.
+
+    Args:
+        x: ``[..., K]``; weight: ``[N, K]`` (x's dtype); bias: ``[N]`` or None.
+        norm_weight: ``[K]``: RMS-normalise x first (transformers' LlamaRMSNorm, ``eps`` on the mean square).
+        swiglu: weight is the packed ``[gate; up]`` projection (N = 2 I): the result is ``silu(gate) * up``, I wide.
+        residual: ``[..., N]`` (``[..., I]`` with swiglu) added last.
+
+    Returns:
+        ``[..., N]`` (or ``[..., I]``) in x's dtype. On CUDA up to 16 rows run one Triton launch that reads each
+        weight row once for all rows (:mod:`longspec_ops.kernels.linear`); more rows, and the CPU, run the
+        composition of PyTorch ops (on CUDA with ``rms_norm``'s kernel).
+    """
+    return _ops.fused_linear(x, weight, bias, norm_weight, float(eps), residual, bool(swiglu))
+
+
 def invariant_attn(
     q: Tensor,
     k_cache: Tensor,

@@ -306,7 +306,7 @@ class LongSpecDraft(PreTrainedModel):
     def _drafting(self) -> Optional[Packed]:
         """The packed projections while drafting (gradients off, :meth:`pack_for_drafting` done), else None:
         drafting runs the block's linears as ``longspec::fused_linear`` (norms, SwiGLU and residual adds folded
-        in; on the CPU and above 16 rows the same composition of PyTorch ops as training's path)."""
+        in on CUDA; on the CPU the same composition of PyTorch ops as training's path, bit for bit)."""
         return self._packed if not torch.is_grad_enabled() else None
 
     def logits(self, out: Tensor) -> Tensor:

@@ -219,7 +219,7 @@ def test_per_query_lengths_and_draft_cross():
 
 
 OP_NAMES = ["hybrid_tree_attn", "prefix_attn", "tree_attn", "draft_cross_attn", "merge_attn_states", "commit_kv_",
-            "beam_topk"]
+            "beam_topk", "fused_linear"]
 
 
 def _op_args():
@@ -240,6 +240,10 @@ def _op_args():
                        torch.tensor([3, 2], device="cuda", dtype=torch.int32)),
         "beam_topk": (torch.randn(B, 16, 32768, device="cuda", dtype=torch.bfloat16),
                       torch.randn(B, 16, device="cuda"), 16),
+        "fused_linear": (torch.randn(B, 8, 4096, device="cuda", dtype=torch.bfloat16),
+                         torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16) * 0.02, None,
+                         torch.rand(4096, device="cuda", dtype=torch.bfloat16), 1e-6,
+                         torch.randn(B, 8, 1024, device="cuda", dtype=torch.bfloat16), True),
     }
 
 

@@ -190,6 +190,8 @@ def _sample_args():
                            torch.tensor([[0, 1, 2], [0, 1, 1]], dtype=torch.int32), 0.3),
         "invariant_linear": (q.reshape(B, M, Hq * D), torch.randn(5, Hq * D), torch.randn(5)),
         "rms_norm": (q, torch.rand(D), 1e-6),
+        "fused_linear": (q.reshape(B, M, Hq * D), torch.randn(10, Hq * D), torch.randn(10), torch.rand(Hq * D), 1e-6,
+                         torch.randn(B, M, 5), True),
         "prompt_lookup_chain": (torch.randint(0, 3, (B, 12)), torch.tensor([11, 5], dtype=torch.int32), 4, 1, 3),
         "beam_topk": (torch.randn(B, M, 11), torch.randn(B, M), 5),
         "record_acceptance_": (torch.rand(40), torch.rand(40), torch.ones(5), torch.rand(5),
