@@ -23,8 +23,8 @@ wait $build || { tail -30 "$OUT/build.log"; exit 1; }
 elapsed "built; has_cuda_kernels $(python3 -c 'import longspec_ops; print(longspec_ops.has_cuda_kernels())')"
 if [ "${TESTS:-1}" != 0 ]; then
   timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/ops/test_beam_kernel.py tests/ops/test_gpu_attention.py \
-    tests/ops/test_triton_kernels.py tests/ops/test_fused_linear.py \
-    -k "${OPS_K:-beam or more_tree_keys or hybrid or opcheck or capture or tree or fused or row_alone or cuda_op}" \
+    tests/ops/test_triton_kernels.py tests/ops/test_fused_linear.py tests/model/test_draft_fused.py \
+    -k "${OPS_K:-beam or more_tree_keys or hybrid or opcheck or capture or tree or fused or drafting_path}" \
     > "$OUT/tests_ops.log" 2>&1
   elapsed "op tests: $(tail -1 "$OUT/tests_ops.log")"
 fi
