@@ -10,7 +10,7 @@ import warnings
 
 import torch
 
-from . import _library  # noqa: F401  (registers the ops)
+from . import _library, _library_linear  # noqa: F401  (register the ops)
 
 try:
     from . import _C  # noqa: F401  (registers CUDA kernels for merge_attn_states and commit_kv_)

@@ -1,6 +1,7 @@
 """Every ``longspec::*`` op: its schema, its fake (meta) kernel, its CPU kernel and its Python CUDA kernel.
 
-One place for the whole surface. Ops are registered directly on a ``torch.library.Library`` (vLLM style) rather
+One place for the whole surface, in two files: this one (attention, the KV commit, prompt lookup, beam top-k,
+the acceptance statistics) and :mod:`._library_linear` (the linears and norms), on one ``Library``. Ops are registered directly on a ``torch.library.Library`` (vLLM style) rather
 than through ``custom_op``/``triton_op``, which keeps eager dispatch overhead at a few microseconds; each op stays
 opaque to ``torch.compile`` through its fake kernel and is safe under CUDA-graph capture.
 
@@ -28,7 +29,6 @@ from . import _checks
 from .reference import attention as ref
 from .reference import beam as beam_ref
 from .reference import invariant as inv_ref
-from .reference import linear as linear_ref
 from .reference import lookup as lookup_ref
 from .reference import stats as stats_ref
 
@@ -319,87 +319,6 @@ def _commit_cuda(kv_cache, cache_seqlens, accept_index, accept_lens):
 
 lib.impl("commit_kv_", _commit_cuda, "CUDA")
 
-
-# Invariant numerics (longspec.decode.Numerics.INVARIANT) ----------------------------------------------------------
-# A row's result does not depend on how many rows the call holds (see longspec_ops/kernels/invariant.py): the
-# target's forwards use these so that a token's logits in a verify forward equal plain decoding's bit for bit.
-lib.define("invariant_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
-
-
-@torch.library.register_fake("longspec::invariant_linear", lib=lib)
-def _invariant_linear_fake(x, weight, bias):
-    _checks.check_invariant_linear(x, weight, bias)
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
-def _invariant_linear_cpu(x, weight, bias):
-    _checks.check_invariant_linear(x, weight, bias)
-    return inv_ref.invariant_linear(x, weight, bias)
-
-
-def _invariant_linear_cuda(x, weight, bias):
-    _checks.check_invariant_linear(x, weight, bias)
-    if x.dtype == torch.float64:
-        return inv_ref.invariant_linear(x, weight, bias)
-    return _invariant_kernels().invariant_linear(x, weight, bias)
-
-
-lib.impl("invariant_linear", _invariant_linear_cpu, "CPU")
-lib.impl("invariant_linear", _invariant_linear_cuda, "CUDA")
-
-lib.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
-
-
-@torch.library.register_fake("longspec::rms_norm", lib=lib)
-def _rms_norm_fake(x, weight, eps):
-    _checks.check_rms_norm(x, weight, eps)
-    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
-
-
-def _rms_norm_cpu(x, weight, eps):
-    _checks.check_rms_norm(x, weight, eps)
-    return inv_ref.rms_norm(x, weight, eps)
-
-
-def _rms_norm_cuda(x, weight, eps):
-    _checks.check_rms_norm(x, weight, eps)
-    if x.dtype == torch.float64:
-        return inv_ref.rms_norm(x, weight, eps)
-    return _invariant_kernels().rms_norm(x, weight, eps)
-
-
-lib.impl("rms_norm", _rms_norm_cpu, "CPU")
-lib.impl("rms_norm", _rms_norm_cuda, "CUDA")
-
-# fused_linear: a draft level's linear with its RMSNorm / SwiGLU / residual folded in (kernels/linear.py) ---------
-lib.define("fused_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? norm_weight, float eps, Tensor? residual, "
-           "bool swiglu) -> Tensor")
-
-
-@torch.library.register_fake("longspec::fused_linear", lib=lib)
-def _fused_linear_fake(x, weight, bias, norm_weight, eps, residual, swiglu):
-    _checks.check_fused_linear(x, weight, bias, norm_weight, eps, residual, swiglu)
-    N = weight.shape[0]
-    return x.new_empty((*x.shape[:-1], N // 2 if swiglu else N))
-
-
-def _fused_linear_cpu(x, weight, bias, norm_weight, eps, residual, swiglu):
-    _checks.check_fused_linear(x, weight, bias, norm_weight, eps, residual, swiglu)
-    return linear_ref.fused_linear(x, weight, bias, norm_weight, eps, residual, swiglu)
-
-
-def _fused_linear_cuda(x, weight, bias, norm_weight, eps, residual, swiglu):
-    _checks.check_fused_linear(x, weight, bias, norm_weight, eps, residual, swiglu)
-    from .kernels import linear
-
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if x.dtype == torch.float64 or rows > linear.MAX_ROWS or x.shape[-1] == 0:
-        return linear.composed_linear(x, weight, bias, norm_weight, eps, residual, swiglu)
-    return linear.fused_linear(x, weight, bias, norm_weight, eps, residual, swiglu)
-
-
-lib.impl("fused_linear", _fused_linear_cpu, "CPU")
-lib.impl("fused_linear", _fused_linear_cuda, "CUDA")
 
 # prompt_lookup_chain -------------------------------------------------------------------------------------------
 lib.define("prompt_lookup_chain(Tensor tokens, Tensor seqlens, int depth, int min_ngram, int max_ngram) "

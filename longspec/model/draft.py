@@ -38,7 +38,7 @@ from longspec.model.draft_attention import (
     shifted_cross_attention,
     windowed_self_attention,
 )
-from longspec.model.draft_config import LongSpecDraftConfig
+from longspec.model.draft_config import LongSpecDraftConfig, check_target_compatible
 from longspec.model.draft_files import (
     DRAFT_VOCAB_FILE,
     _check_state_dict,
@@ -53,7 +53,6 @@ from longspec.model.draft_files import (
 )
 from longspec.model.packing import Packed, pack_projections, packed_or_none
 from longspec.model.parallel import TensorParallel, gather_heads
-from longspec.model.target import head_dim, num_kv_heads
 
 # The 20 tensors of a published checkpoint; every one is a parameter of LongSpecDraft under the same name.
 PUBLISHED_TENSOR_NAMES: tuple[str, ...] = tuple(
@@ -472,36 +471,6 @@ class LongSpecDraft(PreTrainedModel):
 
     # save_pretrained is transformers': config.json (LongSpecDraftConfig) + model.safetensors with the 20 names, no
     # prefix (the borrowed target is not a submodule, so it is not saved); from_pretrained reads it back.
-
-
-def check_target_compatible(config: LongSpecDraftConfig, target: nn.Module) -> None:
-    """Raise ValueError unless the draft's geometry and vocabulary match ``target``'s.
-
-    The cross-attention reads the target's cache (heads, head_dim), the input is the target's embeddings (hidden
-    size) and the output its LM head (vocabulary).
-    """
-    text = target.config.get_text_config()
-    pairs = (
-        ("hidden_size", config.hidden_size, text.hidden_size),
-        ("num_attention_heads", config.num_attention_heads, text.num_attention_heads),
-        ("num_key_value_heads", config.num_key_value_heads, num_kv_heads(text)),
-        ("head_dim", config.head_dim, head_dim(text)),
-        ("vocab_size", config.vocab_size, text.vocab_size),
-    )
-    for name, mine, theirs in pairs:
-        if mine != theirs:
-            raise ValueError(f"draft {name} ({mine}) does not match the target's {name} ({theirs})")
-    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
-    for what, module in (("input embeddings", embed), ("LM head", head)):
-        if module is not None and module.weight.shape[0] != config.vocab_size:
-            raise ValueError(
-                f"the target's {what} have {module.weight.shape[0]} rows, the draft's vocabulary is {config.vocab_size}"
-            )
-        if module is not None and module.weight.shape[1] != config.hidden_size:
-            raise ValueError(
-                f"the target's {what} have width {module.weight.shape[1]}, the draft's hidden size is "
-                f"{config.hidden_size}"
-            )
 
 
 __all__ = [

@@ -1,12 +1,14 @@
-"""The configuration of a LongSpec draft: the target's geometry plus the self-attention window."""
+"""The configuration of a LongSpec draft: the target's geometry plus the self-attention window, and the check that a
+target fits it."""
 from __future__ import annotations
 
 from typing import Any
 
 from huggingface_hub.dataclasses import strict
+from torch import nn
 from transformers import PreTrainedConfig
 
-from longspec.model.target import head_dim
+from longspec.model.target import head_dim, num_kv_heads
 
 
 _CONFIG_FIELDS = (
@@ -85,3 +87,33 @@ class LongSpecDraftConfig(PreTrainedConfig):
         fields["head_dim"] = fields["hidden_size"] // fields["num_attention_heads"]
         fields.setdefault("vocab_size", target_config.get_text_config().vocab_size)
         return cls(**fields)
+
+
+def check_target_compatible(config: LongSpecDraftConfig, target: nn.Module) -> None:
+    """Raise ValueError unless the draft's geometry and vocabulary match ``target``'s.
+
+    The cross-attention reads the target's cache (heads, head_dim), the input is the target's embeddings (hidden
+    size) and the output its LM head (vocabulary).
+    """
+    text = target.config.get_text_config()
+    pairs = (
+        ("hidden_size", config.hidden_size, text.hidden_size),
+        ("num_attention_heads", config.num_attention_heads, text.num_attention_heads),
+        ("num_key_value_heads", config.num_key_value_heads, num_kv_heads(text)),
+        ("head_dim", config.head_dim, head_dim(text)),
+        ("vocab_size", config.vocab_size, text.vocab_size),
+    )
+    for name, mine, theirs in pairs:
+        if mine != theirs:
+            raise ValueError(f"draft {name} ({mine}) does not match the target's {name} ({theirs})")
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    for what, module in (("input embeddings", embed), ("LM head", head)):
+        if module is not None and module.weight.shape[0] != config.vocab_size:
+            raise ValueError(
+                f"the target's {what} have {module.weight.shape[0]} rows, the draft's vocabulary is {config.vocab_size}"
+            )
+        if module is not None and module.weight.shape[1] != config.hidden_size:
+            raise ValueError(
+                f"the target's {what} have width {module.weight.shape[1]}, the draft's hidden size is "
+                f"{config.hidden_size}"
+            )
