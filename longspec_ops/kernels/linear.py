@@ -43,6 +43,7 @@ from torch import Tensor
 
 from ..reference import linear as _ref
 from .configs import _num_sms
+from .launch import _dot_precision
 
 MAX_ROWS = 16  # rows the kernel takes in one launch (one tensor-core tile); more rows take the composed path
 NORM_IN_KERNEL_BELOW = 2048  # K from which the norm is its own launch (see HAS_NORM in the module docstring)
@@ -171,6 +172,9 @@ def fused_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], norm_weight:
     out = torch.empty((M, n_out), dtype=x.dtype, device=x.device)
     if M > 0 and n_out > 0:
         res2 = _rows(residual, n_out) if residual is not None else out
+        # the kernel indexes the vectors with unit stride (the checks allow any strides)
+        bias = bias.contiguous() if bias is not None else None
+        norm_weight = norm_weight.contiguous() if norm_weight is not None else None
         if config is None:
             config = default_config(n_out, K, _num_sms(x.device), bool(swiglu))
         _fused_linear_kernel[(triton.cdiv(n_out, config.block_n),)](
@@ -178,7 +182,7 @@ def fused_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], norm_weight:
             M, n_out, K, x2.stride(0), weight.stride(0), res2.stride(0), float(eps),
             HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None, HAS_RES=residual is not None,
             SWIGLU=bool(swiglu), BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            DOT_PRECISION=_dot_precision(x.dtype),
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
     return out.view(*x.shape[:-1], n_out)

@@ -72,6 +72,15 @@ def test_wide_rows_normalise_in_their_own_launch():
     assert err <= 2 * ref_err + FLOOR[torch.float32], (err, ref_err)
 
 
+def test_strided_bias_and_norm_weight():
+    """Vectors with a stride (views of wider tensors) give the same result as their contiguous copies."""
+    args = list(_args(4, 24, 32, torch.float32, (True, True, False, False)))
+    wide_b, wide_g = _rand(48, dtype=torch.float32, seed=7), 1.0 + _rand(64, dtype=torch.float32, seed=8, scale=0.1)
+    args[2], args[3] = wide_b[::2], wide_g[::2]
+    want = ref.fused_linear(*args)
+    torch.testing.assert_close(fused_linear(*args, config=SMALL), want, rtol=1e-5, atol=1e-5)
+
+
 def test_leading_dims_and_strided_residual():
     """[B, S, K] inputs keep their leading dims; a residual that is a column slice (last dim contiguous) works."""
     args = list(_args(3, 40, 32, torch.float32, (True, True, False, False), lead=(2,)))
