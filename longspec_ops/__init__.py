@@ -41,6 +41,7 @@ from .ops import (  # noqa: E402
     rms_norm,
     tree_attn,
 )
+from .reference.linear import quantize_fp8_rows  # noqa: E402
 
 
 def has_cuda_kernels() -> bool:
@@ -60,6 +61,7 @@ __all__ = [
     "merge_attn_states",
     "prefix_attn",
     "prompt_lookup_chain",
+    "quantize_fp8_rows",
     "rms_norm",
     "tree_attn",
 ]

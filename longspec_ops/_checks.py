@@ -233,7 +233,7 @@ def check_invariant_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> No
 
 
 def check_fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None, norm_weight: Tensor | None, eps: float,
-                       residual: Tensor | None, swiglu: bool) -> None:
+                       residual: Tensor | None, swiglu: bool, weight_scale: Tensor | None = None) -> None:
     op = "fused_linear"
     if not isinstance(x, Tensor) or x.dim() < 1:
         _fail(op, f"x must be a Tensor [..., K], got {getattr(x, 'shape', type(x).__name__)}")
@@ -241,8 +241,16 @@ def check_fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None, norm_weig
         _fail(op, f"x must be float16, bfloat16, float32 or float64, got {x.dtype}")
     _rank(op, "weight", weight, 2, "[N, K]")
     K, N = x.shape[-1], weight.shape[0]
-    if weight.dtype != x.dtype:
-        _fail(op, f"weight must have x's dtype {x.dtype}, got {weight.dtype}")
+    if weight_scale is None and weight.dtype != x.dtype:
+        _fail(op, f"weight must have x's dtype {x.dtype} (or be float8_e4m3fn with a weight_scale), got "
+                  f"{weight.dtype}")
+    if weight_scale is not None:
+        if weight.dtype != torch.float8_e4m3fn:
+            _fail(op, f"weight must be float8_e4m3fn when weight_scale is given, got {weight.dtype}")
+        _rank(op, "weight_scale", weight_scale, 1, f"[{N}]")
+        if weight_scale.shape[0] != N or weight_scale.dtype != torch.float32:
+            _fail(op, f"weight_scale must be float32 [{N}] (one scale per weight row), got {weight_scale.dtype} "
+                      f"{tuple(weight_scale.shape)}")
     if weight.shape[1] != K:
         _fail(op, f"weight must be [N, K] with K = x's last dimension ({K}), got {tuple(weight.shape)}")
     _last_dim_contiguous(op, "weight", weight)
@@ -266,6 +274,8 @@ def check_fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None, norm_weig
             _fail(op, f"residual must be {x.dtype} {want} (x's rows by the output width), got {got}")
         _last_dim_contiguous(op, "residual", residual)
         tensors["residual"] = residual
+    if weight_scale is not None:
+        tensors["weight_scale"] = weight_scale
     _same_device(op, **tensors)
 
 

@@ -177,11 +177,15 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
 
 
 def fused_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, norm_weight: Optional[Tensor] = None,
-                 eps: float = 1e-6, residual: Optional[Tensor] = None, swiglu: bool = False) -> Tensor:
+                 eps: float = 1e-6, residual: Optional[Tensor] = None, swiglu: bool = False,
+                 weight_scale: Optional[Tensor] = None) -> Tensor:
     """``[residual +] act(linear(norm(x)))``: a draft level's linear with its neighbours folded in.
 
     Args:
-        x: ``[..., K]``; weight: ``[N, K]`` (x's dtype); bias: ``[N]`` or None.
+        x: ``[..., K]``; weight: ``[N, K]`` (x's dtype, or float8_e4m3fn with ``weight_scale``); bias: ``[N]`` or
+            None.
+        weight_scale: float32 ``[N]``: weight is float8 and row n stands for ``weight[n] * weight_scale[n]``
+            (:func:`quantize_fp8_rows` makes both); the product accumulates in float32 and is rounded once.
         norm_weight: ``[K]``: RMS-normalise x first (transformers' LlamaRMSNorm, ``eps`` on the mean square).
         swiglu: weight is the packed ``[gate; up]`` projection (N = 2 I): the result is ``silu(gate) * up``, I wide.
         residual: ``[..., N]`` (``[..., I]`` with swiglu) added last.
@@ -191,7 +195,7 @@ def fused_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, no
         weight row once for all rows (:mod:`longspec_ops.kernels.linear`); more rows, and the CPU, run the
         composition of PyTorch ops (on CUDA with ``rms_norm``'s kernel).
     """
-    return _ops.fused_linear(x, weight, bias, norm_weight, float(eps), residual, bool(swiglu))
+    return _ops.fused_linear(x, weight, bias, norm_weight, float(eps), residual, bool(swiglu), weight_scale)
 
 
 def invariant_attn(

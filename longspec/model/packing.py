@@ -9,6 +9,12 @@ training sees the parameters as ever (a GEMM on the packed base would not reach 
 The packing is a layout of the parameters' storage, so anything that gives a parameter new storage (``.to()``,
 ``load_state_dict(assign=True)``) undoes it; :func:`packed_or_none` notices (the views no longer alias the packed
 tensors) and the drafter packs again at its next prefill.
+
+**Float8 drafting weights** (:func:`quantize_linears`): drafting may read every linear of a level as
+``float8_e4m3fn`` with one float32 scale per output row (``longspec::fused_linear``'s ``weight_scale``), half the
+bytes of a 16-bit weight, since a level's GEMMs over <= 16 rows are weight reads. These are copies made from the
+parameters' values, so :class:`Fp8Weights` records each source's version counter and :func:`packed_or_none`
+drops the copies once a source was written in place (an optimiser step), and the drafter quantizes again.
 """
 from __future__ import annotations
 
@@ -17,6 +23,8 @@ from typing import Optional
 
 import torch
 from torch import Tensor, nn
+
+from longspec_ops.reference.linear import quantize_fp8_rows
 
 
 @dataclass(frozen=True)
@@ -28,6 +36,34 @@ class Packed:
     gate_up_weight: Tensor
     gate_up_bias: Optional[Tensor]
     members: tuple[tuple[nn.Parameter, Tensor], ...]  # (parameter, the packed tensor it must be a view of)
+    fp8: Optional["Fp8Weights"] = None  # float8 copies of the drafting linears (quantize_linears), or 16-bit
+
+
+@dataclass(frozen=True)
+class Fp8Weights:
+    """``weights[name] = (float8_e4m3fn [N, K], float32 scale [N])`` of each drafting linear, quantized from
+    ``sources`` (the tensors whose values they copy) at their ``versions``."""
+
+    weights: dict[str, tuple[Tensor, Tensor]]
+    sources: tuple[Tensor, ...]
+    versions: tuple[int, ...]
+
+    def current(self) -> bool:
+        """Whether no source was written in place since the copies were made (inference tensors keep no version
+        counter: theirs count as current)."""
+        return all(_version(t) == v for t, v in zip(self.sources, self.versions))
+
+
+def _version(t: Tensor) -> int:
+    return -1 if t.is_inference() else t._version
+
+
+def quantize_linears(weights: dict[str, Tensor]) -> Fp8Weights:
+    """Per-row float8 copies of ``weights`` (name -> ``[N, K]``), remembering the sources' versions."""
+    with torch.no_grad():
+        q = {name: quantize_fp8_rows(w) for name, w in weights.items()}
+    sources = tuple(weights.values())
+    return Fp8Weights(q, sources, tuple(_version(t) for t in sources))
 
 
 def _pack(layers: list[nn.Linear], attr: str) -> Optional[Tensor]:
@@ -57,7 +93,7 @@ def pack_projections(attn: nn.Module, mlp: nn.Module) -> Packed:
 
 def packed_or_none(packed: Optional[Packed]) -> Optional[Packed]:
     """``packed`` if every member parameter still lives inside its packed tensor, else None."""
-    if packed is None:
+    if packed is None or (packed.fp8 is not None and not packed.fp8.current()):
         return None
     for param, base in packed.members:
         start = base.data_ptr()

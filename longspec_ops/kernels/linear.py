@@ -16,7 +16,11 @@ float32 on the tensor cores. Around the GEMM, under constexpr flags:
   pass won, 3.9 us against 4.4;
 * ``SWIGLU``: ``weight`` is the packed ``[gate; up]`` projection; the program accumulates gate columns ``n`` and up
   columns ``I + n`` side by side and stores ``silu(gate) * up`` (``I`` columns, not ``2 I``);
-* ``HAS_RES``: ``residual + y`` in the epilogue.
+* ``HAS_RES``: ``residual + y`` in the epilogue;
+* ``HAS_SCALE``: ``weight`` is float8_e4m3fn with one float32 scale per row (weight-only FP8, half the bytes of a
+  16-bit weight: a skinny GEMM is a weight read). Each loaded tile is converted to x's dtype (exact: every e4m3
+  value is a bfloat16 / float16 value) and the float32 accumulator is scaled per column before the bias, as
+  :func:`longspec_ops.reference.linear.fused_linear` defines it.
 
 Every intermediate is rounded to x's dtype where the unfused ops round (bias into the float32 accumulator, then
 the activation, the product and the residual add each in x's dtype), so the fused result differs from the
@@ -68,7 +72,8 @@ class LinearConfig:
                              f"{self.num_stages}")
 
 
-def default_config(n_out: int, k: int, num_sms: int = 132, swiglu: bool = False) -> LinearConfig:
+def default_config(n_out: int, k: int, num_sms: int = 132, swiglu: bool = False,
+                   weight_bytes: int = 2) -> LinearConfig:
     """The probe's best launches (H200, results/h200/probe_skinny_gemm.json), as a rule of (output columns, K).
 
     A program reads ``block_n`` weight rows (``2 block_n`` with SwiGLU: gate and up). Wide K (>= 2048, real model
@@ -76,14 +81,16 @@ def default_config(n_out: int, k: int, num_sms: int = 132, swiglu: bool = False)
     programs); with more than 1.5 waves of programs (LM heads, gate/up) small tiles (128-element K steps, 3 stages)
     so that two programs share an SM, else one deep pipeline (5 stages, 256-element steps at 32 rows, 128 at 64).
     Narrow K (small models, launch-bound): 16 rows a program for <= 1024 outputs, else 32; 512-element K steps from
-    K = 1024, else 128; 3 stages.
+    K = 1024, else 128; 3 stages. A 1-byte (float8) weight at wide K takes K steps twice as long, so a stage moves
+    the bytes the 16-bit sweep found best (a rule, not yet swept: ``probe_skinny_gemm --fp8``).
     """
     per_row = 2 if swiglu else 1
     if k >= 2048:
+        widen = 2 if weight_bytes == 1 else 1
         rows = 64 if triton.cdiv(n_out * per_row, 64) >= 0.7 * num_sms else 32
         if triton.cdiv(n_out * per_row, 64) > 1.5 * num_sms:
-            return LinearConfig(rows // per_row, 128, 4, 3)
-        return LinearConfig(rows // per_row, 256 if rows == 32 else 128, 4, 5)
+            return LinearConfig(rows // per_row, 128 * widen, 4, 3)
+        return LinearConfig(rows // per_row, (256 if rows == 32 else 128) * widen, 4, 5)
     return LinearConfig(max(16, (16 if n_out <= 1024 else 32) // per_row), 512 if k >= 1024 else 128, 4, 3)
 
 
@@ -91,6 +98,7 @@ def default_config(n_out: int, k: int, num_sms: int = 132, swiglu: bool = False)
 def _fused_linear_kernel(
     X,  # (M, K), stride(-1) == 1
     W,  # (N, K), stride(-1) == 1; with SWIGLU rows [0, N_OUT) gate and [N_OUT, 2 N_OUT) up
+    SCALE,  # (N,) float32 per-row scales of a float8 W   [HAS_SCALE]
     BIAS,  # (N,)                    [HAS_BIAS]
     G,  # (K,) RMSNorm weight       [HAS_NORM]
     RES,  # (M, N_OUT), stride(-1) == 1  [HAS_RES]
@@ -99,7 +107,7 @@ def _fused_linear_kernel(
     stride_xm, stride_wn, stride_rm,
     eps,
     HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, SWIGLU: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
@@ -129,12 +137,20 @@ def _fused_linear_kernel(
             x = (g[None, :] * xn.to(tl.float32)).to(x.dtype)  # ... and after the weight
         w_mask = n_ok[:, None] & k_ok[None, :]
         w = tl.load(W + rn[:, None] * stride_wn + rk[None, :], mask=w_mask, other=0.0)
+        if HAS_SCALE:
+            w = w.to(x.dtype)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
         if SWIGLU:
             wu = tl.load(W + (rn + N_OUT)[:, None] * stride_wn + rk[None, :], mask=w_mask, other=0.0)
+            if HAS_SCALE:
+                wu = wu.to(x.dtype)
             acc_up = tl.dot(x, tl.trans(wu), acc_up, input_precision=DOT_PRECISION)
 
     DT = Y.dtype.element_ty
+    if HAS_SCALE:
+        acc *= tl.load(SCALE + rn, mask=n_ok, other=0.0)[None, :]
+        if SWIGLU:
+            acc_up *= tl.load(SCALE + N_OUT + rn, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(BIAS + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y = acc.to(DT)
@@ -158,7 +174,8 @@ def _rows(t: Tensor, width: int) -> Tensor:
 
 
 def fused_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], norm_weight: Optional[Tensor], eps: float,
-                 residual: Optional[Tensor], swiglu: bool, config: Optional[LinearConfig] = None) -> Tensor:
+                 residual: Optional[Tensor], swiglu: bool, weight_scale: Optional[Tensor] = None,
+                 config: Optional[LinearConfig] = None) -> Tensor:
     """One launch of ``_fused_linear_kernel`` for already-validated arguments with at most :data:`MAX_ROWS` rows
     (``longspec_ops._checks.check_fused_linear``). ``config`` overrides :func:`default_config` (sweeps, tests)."""
     K, N = x.shape[-1], weight.shape[0]
@@ -176,12 +193,13 @@ def fused_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], norm_weight:
         bias = bias.contiguous() if bias is not None else None
         norm_weight = norm_weight.contiguous() if norm_weight is not None else None
         if config is None:
-            config = default_config(n_out, K, _num_sms(x.device), bool(swiglu))
+            config = default_config(n_out, K, _num_sms(x.device), bool(swiglu), weight.element_size())
+        scale = weight_scale.contiguous() if weight_scale is not None else x2
         _fused_linear_kernel[(triton.cdiv(n_out, config.block_n),)](
-            x2, weight, bias if bias is not None else x2, norm_weight if norm_weight is not None else x2, res2, out,
+            x2, weight, scale, bias if bias is not None else x2, norm_weight if norm_weight is not None else x2, res2, out,
             M, n_out, K, x2.stride(0), weight.stride(0), res2.stride(0), float(eps),
             HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None, HAS_RES=residual is not None,
-            SWIGLU=bool(swiglu), BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            SWIGLU=bool(swiglu), HAS_SCALE=weight_scale is not None, BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             DOT_PRECISION=_dot_precision(x.dtype),
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
@@ -189,12 +207,13 @@ def fused_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], norm_weight:
 
 
 def composed_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], norm_weight: Optional[Tensor], eps: float,
-                    residual: Optional[Tensor], swiglu: bool) -> Tensor:
+                    residual: Optional[Tensor], swiglu: bool, weight_scale: Optional[Tensor] = None) -> Tensor:
     """The CUDA path above :data:`MAX_ROWS` rows (a batch of frontiers, the draft's window refeed): the norm as one
-    ``longspec::rms_norm`` launch, then the reference's cuBLAS GEMM and elementwise ops."""
+    ``longspec::rms_norm`` launch, then the reference's cuBLAS GEMM and elementwise ops (a float8 weight is
+    dequantized by the reference: correct, not fast; drafting's window refeed stays on the 16-bit weights)."""
     if norm_weight is not None:
         x = torch.ops.longspec.rms_norm(x, norm_weight, float(eps))
-    return _ref.fused_linear(x, weight, bias, None, eps, residual, swiglu)
+    return _ref.fused_linear(x, weight, bias, None, eps, residual, swiglu, weight_scale)
 
 
 __all__ = ["LinearConfig", "MAX_ROWS", "NORM_IN_KERNEL_BELOW", "composed_linear", "default_config", "fused_linear"]

@@ -330,11 +330,12 @@ def test_prefill_rejects_an_incompatible_target():
 # --- lossless through the engine -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-@pytest.mark.parametrize("batch", [1, 2])
-@pytest.mark.parametrize("kv_update", ["COMMIT", "REFEED"])
-def test_greedy_speculative_equals_greedy(kind, batch, kv_update):
-    """A random LongSpec draft in SpeculativeDecoder reproduces the target's own greedy decoding token for token."""
+@pytest.mark.parametrize("kind,batch,kv_update,fp8", [
+    (kind, batch, kv, False) for kind in ("llama", "qwen2") for batch in (1, 2) for kv in ("COMMIT", "REFEED")
+] + [("llama", 2, "COMMIT", True)])
+def test_greedy_speculative_equals_greedy(kind, batch, kv_update, fp8):
+    """A random LongSpec draft in SpeculativeDecoder reproduces the target's own greedy decoding token for token
+    (also when it drafts with float8 weight copies)."""
     decoder_mod = pytest.importorskip("longspec.decode.decoder")
     target = tiny_target(kind, (4, 2), vocab=32, layers=2, seed=4)
     target.generation_config.eos_token_id = None
@@ -349,7 +350,8 @@ def test_greedy_speculative_equals_greedy(kind, batch, kv_update):
     mask = torch.zeros(batch, S, dtype=torch.int64)
     for b, p in enumerate(prompts):  # left padding
         ids[b, S - len(p) :], mask[b, S - len(p) :] = p, 1
-    decoder = decoder_mod.SpeculativeDecoder(target, LongSpecDrafter(draft), tree_shape=(8, 8, 8),
+    drafter = LongSpecDrafter(draft, weight_dtype=torch.float8_e4m3fn if fp8 else None)
+    decoder = decoder_mod.SpeculativeDecoder(target, drafter, tree_shape=(8, 8, 8),
                                              kv_update=decoder_mod.KVUpdate[kv_update])
     out = decoder.generate(ids, max_new_tokens=new, eos_token_id=[], attention_mask=mask)
     for b, p in enumerate(prompts):
@@ -357,3 +359,4 @@ def test_greedy_speculative_equals_greedy(kind, batch, kv_update):
                                do_sample=False, max_new_tokens=new)[0, len(p):]
         assert out.sequences[b, S:].tolist() == want.tolist()
     assert max(max(row) for row in out.accept_lengths) >= 2  # multi-token commits exercised the re-feed
+    assert (draft._packed.fp8 is not None) == fp8

@@ -136,8 +136,65 @@ def test_default_config_rule():
     for n, k, swiglu in ((6144, 4096, False), (4096, 14336, False), (14336, 4096, True), (128256, 4096, False)):
         c = default_config(n, k, 132, swiglu)  # shared memory per program (x + weight tiles, 16-bit) fits sm_90's
         assert c.num_stages * (16 + (2 if swiglu else 1) * c.block_n) * c.block_k * 2 <= 227 * 1024, (n, k)
+    for n, k, swiglu in ((6144, 4096, False), (4096, 14336, False), (14336, 4096, True), (128256, 4096, False)):
+        c = default_config(n, k, 132, swiglu, weight_bytes=1)  # float8 weight tiles + their 16-bit conversion
+        tiles = (2 if swiglu else 1) * c.block_n * c.block_k
+        assert c.num_stages * (16 * c.block_k * 2 + tiles) + tiles * 2 <= 227 * 1024, (n, k)
     with pytest.raises(ValueError, match="block_n must be a power of two"):
         LinearConfig(block_n=24, block_k=64)
+
+
+def _fp8_args(M, N, K, dtype, flags):
+    args = list(_args(M, N, K, dtype, flags))
+    w8, scale = ref.quantize_fp8_rows(args[1].float())
+    args[1] = w8.to(DEVICE)
+    return args, scale.to(DEVICE)
+
+
+@pytest.mark.parametrize("flags", FLAGS, ids=FLAG_IDS)
+@pytest.mark.parametrize("config", [None, SMALL], ids=["table", "small"])
+@pytest.mark.parametrize("M", [1, MAX_ROWS])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_weight_within_twice_the_references_error(dtype, M, config, flags):
+    """A float8_e4m3fn weight with per-row scales: the kernel against the float64 dequantized composition, under
+    the same tolerance rule as the 16-bit weights (the quantization itself is the op's input, not its error)."""
+    args, scale = _fp8_args(M, 48, 72, dtype, flags)
+    got = fused_linear(*args, weight_scale=scale, config=config)
+    want = ref.fused_linear(*_up(args[:1]), args[1], *_up(args[2:]), weight_scale=scale)
+    same = ref.fused_linear(*args, weight_scale=scale)
+    assert got.shape == want.shape == (M, 24 if flags[3] else 48) and got.dtype == dtype
+    err = (got.double() - want).abs().max().item()
+    ref_err = (same.double() - want).abs().max().item()
+    assert err <= 2 * ref_err + FLOOR[dtype], f"error {err:.3g} vs reference error {ref_err:.3g}"
+
+
+def test_fp8_reference_is_the_dequantized_linear():
+    """The CPU op with a float8 weight is ``x @ (w8 * scale)^T + bias`` in float32, rounded once to x's dtype."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 5, 64, generator=g).to(torch.bfloat16)
+    w = torch.randn(40, 64, generator=g) * 0.1
+    b = torch.randn(40, generator=g).to(torch.bfloat16)
+    w8, scale = ref.quantize_fp8_rows(w)
+    got = torch.ops.longspec.fused_linear(x, w8, b, None, 0.0, None, False, scale)
+    want = (x.float() @ (w8.float() * scale[:, None]).T + b.float()).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+def test_quantize_fp8_rows_error_and_zero_rows():
+    """Each row's largest magnitude maps to 448; the round trip is within half an e4m3 step (3 mantissa bits:
+    2^-4 relative for normal values, 2^-10 of the scale below 2^-6); an all-zero row gets scale 1 and stays 0."""
+    g = torch.Generator().manual_seed(12)
+    w = torch.randn(16, 256, generator=g) * torch.logspace(-3, 2, 16)[:, None]
+    w[3] = 0.0
+    w8, scale = ref.quantize_fp8_rows(w.to(torch.bfloat16))
+    assert w8.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32 and scale.shape == (16,)
+    assert scale[3] == 1.0 and not w8[3].float().any()
+    back = w8.float() * scale[:, None]
+    bound = torch.maximum(back.abs() * 2 ** -4, scale[:, None] * 2 ** -10)
+    assert ((back - w.to(torch.bfloat16).float()).abs() <= bound * 1.0001 + 1e-12).all()
+    assert torch.allclose(w8.float().abs().amax(1)[torch.arange(16) != 3], torch.tensor(448.0))
+    with pytest.raises(ValueError, match="weight must be a floating-point \\[N, K\\] tensor"):
+        ref.quantize_fp8_rows(torch.zeros(4, dtype=torch.float32))
 
 
 def test_the_kernel_refuses_more_rows_than_one_tile():
@@ -156,10 +213,16 @@ def test_the_kernel_refuses_more_rows_than_one_tile():
     (dict(residual=torch.zeros(3, 5)), "residual must be torch.float32 \\(3, 8\\)"),
     (dict(residual=torch.zeros(3, 8), swiglu=True), "residual must be torch.float32 \\(3, 4\\)"),
     (dict(x=torch.zeros(3, 4, dtype=torch.int32)), "x must be float16, bfloat16, float32 or float64"),
+    (dict(weight=torch.zeros(8, 4, dtype=torch.float8_e4m3fn)), "or be float8_e4m3fn with a weight_scale"),
+    (dict(weight_scale=torch.ones(8)), "weight must be float8_e4m3fn when weight_scale is given"),
+    (dict(weight=torch.zeros(8, 4, dtype=torch.float8_e4m3fn), weight_scale=torch.ones(4)),
+     "weight_scale must be float32 \\[8\\]"),
+    (dict(weight=torch.zeros(8, 4, dtype=torch.float8_e4m3fn), weight_scale=torch.ones(8, dtype=torch.float16)),
+     "weight_scale must be float32 \\[8\\]"),
 ])
 def test_bad_input_names_the_argument(kwargs, match):
     args = dict(x=torch.zeros(3, 4), weight=torch.zeros(8, 4), bias=None, norm_weight=None, eps=1e-6,
-                residual=None, swiglu=False)
+                residual=None, swiglu=False, weight_scale=None)
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         torch.ops.longspec.fused_linear(**args)
@@ -178,3 +241,24 @@ def test_cuda_op_takes_the_kernel_up_to_16_rows_and_cublas_above():
             err = (got.double() - want).abs().max().item()
             ref_err = (ref.fused_linear(*args).double() - want).abs().max().item()
             assert err <= 2 * ref_err + FLOOR[torch.bfloat16], (M, flags, err, ref_err)
+            args, scale = _fp8_args(M, 2 * 1024 if flags[3] else 1024, 4096, torch.bfloat16, flags)
+            got = torch.ops.longspec.fused_linear(*args, scale)
+            want = ref.fused_linear(*_up(args[:1]), args[1], *_up(args[2:]), weight_scale=scale)
+            err = (got.double() - want).abs().max().item()
+            ref_err = (ref.fused_linear(*args, weight_scale=scale).double() - want).abs().max().item()
+            assert err <= 2 * ref_err + FLOOR[torch.bfloat16], ("fp8", M, flags, err, ref_err)
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_opcheck_fp8_weight(device):
+    """The op's schema, fake kernel and autograd registration with a float8 weight and its row scales."""
+    g = torch.Generator().manual_seed(13)
+    w8, scale = ref.quantize_fp8_rows(torch.randn(64, 96, generator=g) * 0.1)
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    args = (torch.randn(2, 3, 96, generator=g).to(device, dt), w8.to(device), None,
+            (1 + 0.1 * torch.randn(96, generator=g)).to(device, dt), 1e-6,
+            torch.randn(2, 3, 32, generator=g).to(device, dt), True, scale.to(device))
+    # test_schema is left out: its mutation check multiplies every input, which PyTorch's float8 CPU tensors do
+    # not implement ("mul_cpu_reduced_float" for Float8_e4m3fn); the 16-bit cases run it (test_reference.py)
+    torch.library.opcheck(torch.ops.longspec.fused_linear, args,
+                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
