@@ -67,11 +67,12 @@ from longspec.testing import PUBLISHED_CONFIGS
 
 def measure(name: str, contexts: list[int], compiles: list[bool], draft_vocab: int, iters: int, peaks: dict,
             on_row=lambda row: None, tp: bool = False, cuda_graphs: bool = True, device: str = "cuda",
-            numerics: tuple[str, ...] = ("fast",), trees: Sequence[tuple[int, ...]] = (TREE,), profile=None) -> list:
+            numerics: tuple[str, ...] = ("fast",), trees: Sequence[tuple[int, ...]] = (TREE,), profile=None,
+            fp8: bool = False) -> list:
     """One row per (compile, numerics, context) for the first tree, and per other tree at the longest context.
     ``profile``: a callable taking (model, context, kernel
     table) of the first tree's draft step with the reduced vocabulary (the full one without it), for every context
-    of the compiled fast rows."""
+    of the compiled fast rows. ``fp8``: also the draft with float8 weight copies (full and reduced vocabulary)."""
     from longspec import LongSpecDrafter, Numerics, SpeculativeDecoder
     from longspec.model.draft import frequent_tokens
 
@@ -95,7 +96,7 @@ def measure(name: str, contexts: list[int], compiles: list[bool], draft_vocab: i
                 if tree != trees[0] and context != max(contexts):
                     continue  # other trees are priced at the longest context only
                 row = _tree_row(name, context, compile, mode, tree, d, spec, draft, target, reduced, iters, peaks,
-                                weights, cuda_graphs, tp, profile if tree == trees[0] else None)
+                                weights, cuda_graphs, tp, profile if tree == trees[0] else None, fp8)
                 _ratios(row)
                 _versus_fast(row, rows)
                 rows.append(row)
@@ -109,9 +110,9 @@ def measure(name: str, contexts: list[int], compiles: list[bool], draft_vocab: i
 
 
 def _tree_row(name, context, compile, mode, tree, d, spec, draft, target, reduced, iters, peaks, weights,
-              cuda_graphs, tp, profile) -> dict:
-    """One row: the LongSpec round of ``tree`` (full and reduced drafting vocabulary) beside the plain round ``d``,
-    with the draft, decode and verify floors."""
+              cuda_graphs, tp, profile, fp8=False) -> dict:
+    """One row: the LongSpec round of ``tree`` (full and reduced drafting vocabulary, and with ``fp8`` both again
+    drafting from float8 weight copies) beside the plain round ``d``, with the draft, decode and verify floors."""
     from longspec import LongSpecDrafter, Numerics, SpeculativeDecoder
 
     vocab = target.get_output_embeddings().weight.shape[0]
@@ -127,25 +128,32 @@ def _tree_row(name, context, compile, mode, tree, d, spec, draft, target, reduce
     profiling = profile is not None and compile and mode == "fast"
     if reduced is None and profiling:
         profile(name, context, profile_draft(spec, context))
-    if reduced is not None:
-        draft.set_draft_vocab(reduced)
-        spec_r = SpeculativeDecoder(target, LongSpecDrafter(draft), tree_shape=tree, cuda_graphs=cuda_graphs,
-                                    compile=compile, numerics=Numerics[mode.upper()])
+    bw = peaks["copy_bytes_per_s"]
+    variants = [("reduced", reduced, None)] if reduced is not None else []
+    if fp8:
+        variants += [("fp8", None, torch.float8_e4m3fn)] + (
+            [("fp8_reduced", reduced, torch.float8_e4m3fn)] if reduced is not None else [])
+    for key, vocab_ids, weight_dtype in variants:
+        draft.set_draft_vocab(vocab_ids)
+        spec_r = SpeculativeDecoder(target, LongSpecDrafter(draft, weight_dtype=weight_dtype), tree_shape=tree,
+                                    cuda_graphs=cuda_graphs, compile=compile, numerics=Numerics[mode.upper()])
         r = round_times(spec_r, context, iters)
-        if profiling:
-            profile(name, context, profile_draft(spec_r, context))
-        row["draft_vocab"] = reduced.numel()
-        row["draft_reduced_us"] = r["phases_us"]["draft"]
-        row["round_reduced_wall_us"] = r["round_wall_us"]
+        if profiling and key in ("reduced", "fp8_reduced"):
+            profile(f"{name}{' fp8' if weight_dtype else ''}", context, profile_draft(spec_r, context))
+        if vocab_ids is not None:
+            row["draft_vocab"] = vocab_ids.numel()
+        row[f"draft_{key}_us"] = r["phases_us"]["draft"]
+        row[f"round_{key}_wall_us"] = r["round_wall_us"]
+        rows_read = vocab if vocab_ids is None else vocab_ids.numel()
+        row[f"draft_{key}_floor_us"] = draft_floor_us(draft, target, context, len(tree), rows_read, bw,
+                                                      fp8=weight_dtype is not None)
+        row[f"draft_{key}_vs_floor"] = row[f"draft_{key}_us"] / row[f"draft_{key}_floor_us"]
         del spec_r
         draft.set_draft_vocab(None)
+        draft.pack_for_drafting()  # drop the float8 copies (the next decoder packs what it needs)
     row["round_us"] = row["draft_us"] + row["verify_us"] + row["accept_us"]
-    bw = peaks["copy_bytes_per_s"]
     row["draft_floor_us"] = draft_floor_us(draft, target, context, len(tree), vocab, bw)
     row["draft_vs_floor"] = row["draft_us"] / row["draft_floor_us"]
-    if reduced is not None:
-        row["draft_reduced_floor_us"] = draft_floor_us(draft, target, context, len(tree), reduced.numel(), bw)
-        row["draft_reduced_vs_floor"] = row["draft_reduced_us"] / row["draft_reduced_floor_us"]
     cache = s["run"].state.cache
     kv_bytes = cache.kv[:, :, :, :context].numel() * cache.kv.element_size()
     row["bytes_floor_us"] = (weights + kv_bytes) / bw * 1e6
@@ -176,8 +184,9 @@ def _main_rank() -> bool:
 
 def _ratios(row: dict) -> None:
     row["round_per_decode"] = row["round_wall_us"] / row["decode_wall_us"]
-    if "round_reduced_wall_us" in row:
-        row["round_reduced_per_decode"] = row["round_reduced_wall_us"] / row["decode_wall_us"]
+    for key in ("reduced", "fp8", "fp8_reduced"):
+        if f"round_{key}_wall_us" in row:
+            row[f"round_{key}_per_decode"] = row[f"round_{key}_wall_us"] / row["decode_wall_us"]
     if "linears_m1_us" not in row:  # --tp: no per-GPU floors
         return
     row["decode_floor_us"] = row["linears_m1_us"] + row["attn_decode_us"]
@@ -192,9 +201,15 @@ COLUMNS = [("model", "model", ""), ("gpus", "GPUs", ""), ("context", "N", ""), (
            ("verify_us", "verify", ".0f"), ("verify_floor_us", "floor", ".0f"), ("verify_vs_floor", "x", ".2f"),
            ("draft_us", "draft", ".0f"), ("draft_floor_us", "floor", ".0f"), ("draft_vs_floor", "x", ".2f"),
            ("draft_reduced_us", "draft (reduced)", ".0f"), ("draft_reduced_floor_us", "floor", ".0f"),
-           ("draft_reduced_vs_floor", "x", ".2f"), ("accept_us", "accept", ".0f"),
+           ("draft_reduced_vs_floor", "x", ".2f"),
+           ("draft_fp8_us", "draft fp8", ".0f"), ("draft_fp8_floor_us", "floor", ".0f"), ("draft_fp8_vs_floor", "x", ".2f"),
+           ("draft_fp8_reduced_us", "draft fp8 (reduced)", ".0f"), ("draft_fp8_reduced_floor_us", "floor", ".0f"),
+           ("draft_fp8_reduced_vs_floor", "x", ".2f"), ("accept_us", "accept", ".0f"),
            ("round_wall_us", "round", ".0f"), ("round_per_decode", "round/decode", ".2f"),
-           ("round_reduced_per_decode", "reduced round/decode", ".2f"), ("first_round_spec_s", "first round s", ".1f"),
+           ("round_reduced_per_decode", "reduced round/decode", ".2f"),
+           ("round_fp8_per_decode", "fp8 round/decode", ".2f"),
+           ("round_fp8_reduced_per_decode", "fp8 reduced round/decode", ".2f"),
+           ("first_round_spec_s", "first round s", ".1f"),
            ("round_wall_vs_fast", "round vs fast", ".2f"), ("decode_wall_vs_fast", "decode vs fast", ".2f")]
 NOTES = ["Random weights, bf16, batch 1, CUDA graphs; times in us. decode = a plain round (forward + tail); round = "
          "draft + verify + accept as generate runs them (wall; the host one round ahead, one wait per round); floors: every linear of the model plus the layers' "
@@ -283,6 +298,9 @@ def main(argv=None) -> None:
                          "root); the first at every context, the others priced at the longest context")
     ap.add_argument("--numerics", choices=("fast", "invariant", "both"), default="fast",
                     help="the target's numerics (longspec.Numerics); both: fast and invariant rows in one run")
+    ap.add_argument("--fp8", action="store_true",
+                    help="also time the draft with float8 weight copies (LongSpecDrafter(weight_dtype=float8_e4m3fn)), "
+                         "full and reduced vocabulary")
     ap.add_argument("--profile", action="store_true",
                     help="also write draft_profile.txt: torch.profiler's kernel table of the compiled draft step")
     ap.add_argument("--merge", nargs="+", metavar="STEP_LATENCY_JSON",
@@ -352,7 +370,7 @@ def main(argv=None) -> None:
         vocab_size = a.draft_vocab if name != "pair" else min(a.draft_vocab, 2048)
         measure(name, a.contexts, compiles, vocab_size, a.iters, peaks, on_row, tp=a.tp,
                 cuda_graphs=a.cuda_graphs == "on", device=device, numerics=numerics, trees=trees,
-                profile=on_profile if a.profile else None)
+                profile=on_profile if a.profile else None, fp8=a.fp8)
         torch.cuda.empty_cache()
     if _main_rank():
         print((write(rows, meta, a.out, suite=suite) / f"{suite}.md").read_text(), flush=True)

@@ -11,7 +11,11 @@ call reads a different copy of the weight, so the weight comes from HBM as in a 
 separate launches (``longspec::rms_norm``, cuBLAS, PyTorch's elementwise kernels). Output: every row's times and
 both against the byte floor (weight + activations at the measured copy bandwidth).
 
-Usage (GPU): ``python -m benchmarks.probe_skinny_gemm [--fusions-only] [--out DIR]``. The kernel's values are
+``--fp8``: instead, float8_e4m3fn weights with per-row scales (``fused_linear``'s ``weight_scale``) against the
+16-bit table launch and cuBLAS at the same shapes, over a grid of launches (the float8 rule in
+:func:`~longspec_ops.kernels.linear.default_config` is the table's ``fp8_table`` column).
+
+Usage (GPU): ``python -m benchmarks.probe_skinny_gemm [--fusions-only | --fp8] [--out DIR]``. The kernel's values are
 tested in ``tests/ops/test_fused_linear.py``.
 """
 from __future__ import annotations
@@ -130,12 +134,83 @@ def probe_fusions(bw: float, M: int = 16) -> list[dict]:
     return rows
 
 
+FP8_CONFIGS = [LinearConfig(n, k, 4, st) for n, k, st in itertools.product((32, 64), (128, 256, 512), (3, 4, 5))]
+FP8_SHAPES = SHAPES + [("8B gate/up + SwiGLU", 28672, 4096), ("pair gate/up + SwiGLU", 2048, 384)]
+
+
+def probe_fp8(out_dir: str | None) -> list[dict]:
+    """Float8 weights against 16-bit ones: cuBLAS and the 16-bit table launch, the float8 table launch and the
+    best float8 launch of a grid, at M = 1 and 16, weights rotated through >= 256 MB of copies."""
+    from benchmarks.harness import environment
+    from benchmarks.timing import graph_calls_us, measure_peaks
+
+    from longspec_ops.reference.linear import quantize_fp8_rows
+
+    dev, dt = "cuda", torch.bfloat16
+    bw = measure_peaks(dev)["copy_bytes_per_s"]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for (name, N, K), M in itertools.product(FP8_SHAPES, (1, 16)):
+        swiglu = "SwiGLU" in name
+        n_out = N // 2 if swiglu else N
+        copies = min(24, max(3, -(-(256 << 20) // (N * K))))
+        ws = [torch.randn(N, K, device=dev, dtype=dt) * K ** -0.5 for _ in range(copies)]
+        q8 = [quantize_fp8_rows(w) for w in ws]
+        x = torch.randn(M, K, device=dev, dtype=dt)
+
+        def run16(w, c=None):
+            return fused_linear(x, w, None, None, 0.0, None, swiglu, config=c)
+
+        def run8(wq, c=None):
+            return fused_linear(x, wq[0], None, None, 0.0, None, swiglu, weight_scale=wq[1], config=c)
+
+        ref = run16(ws[0]).float()
+        bf16 = graph_calls_us(_rotating(run16, ws), calls=32)
+        cublas = None if swiglu else graph_calls_us(_rotating(lambda w: torch.mm(x, w.t()), ws), calls=32)
+        table = default_config(n_out, K, sms, swiglu, weight_bytes=1)
+        fp8_table = graph_calls_us(_rotating(lambda wq: run8(wq, table), q8), calls=32)
+        best = None
+        for cfg in FP8_CONFIGS if K >= 2048 else []:
+            try:
+                got = run8(q8[0], cfg).float()
+                if not torch.allclose(got, ref, rtol=0.15, atol=0.15 * ref.abs().max().item()):
+                    raise AssertionError(f"fp8 result far from the 16-bit one with {cfg}")
+                us = graph_calls_us(_rotating(lambda wq, c=cfg: run8(wq, c), q8), calls=32)
+            except triton.runtime.errors.OutOfResources:
+                continue
+            if best is None or us < best[0]:
+                best = (us, cfg)
+        floor16 = (N * K * 2 + M * K * 2 + M * n_out * 2) / bw * 1e6
+        floor8 = (N * K + N * 4 + M * K * 2 + M * n_out * 2) / bw * 1e6
+        row = {"shape": name, "M": M, "N": N, "K": K, "floor16_us": floor16, "floor8_us": floor8,
+               "cublas_us": cublas, "bf16_table_us": bf16, "fp8_table_us": fp8_table,
+               "fp8_table_config": dataclasses.asdict(table),
+               "fp8_best_us": best[0] if best else None,
+               "fp8_best_config": dataclasses.asdict(best[1]) if best else None}
+        rows.append(row)
+        print(f"{name:22s} M={M:2d}: 16-bit floor {floor16:6.1f} us, table {bf16:6.1f}"
+              f"{'' if cublas is None else f', cuBLAS {cublas:6.1f}'} | fp8 floor {floor8:6.1f}, table {fp8_table:6.1f}"
+              f"{'' if best is None else f', best {best[0]:6.1f} {best[1]}'}", flush=True)
+        del ws, q8
+        torch.cuda.empty_cache()
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "probe_skinny_gemm_fp8.json"), "w") as f:
+            json.dump({"environment": environment(), "copy_bytes_per_s": bw, "rows": rows}, f, indent=1)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--fusions-only", action="store_true", help="skip the configuration sweep")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--fusions-only", action="store_true", help="skip the configuration sweep")
+    mode.add_argument("--fp8", action="store_true", help="float8 weights against 16-bit ones (probe_skinny_gemm_fp8)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    probe(a.out, sweep=not a.fusions_only)
+    if a.fp8:
+        probe_fp8(a.out)
+    else:
+        probe(a.out, sweep=not a.fusions_only)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 # step benchmark (with the draft's kernel profile). Writes logs and results under $OUT.
 # Knobs: TESTS=0 skips the tests, TESTS=ops runs only the op tests, TESTS_LAST=1 runs the decode tests after the
 # benchmark; MODELS / CONTEXTS / TREES pick the benchmark rows; PROFILE=0 skips the profile; PROBE=1 runs
-# benchmarks/probe_skinny_gemm.py (with PROBE_ARGS) while the extension builds (it needs only Triton).
+# benchmarks/probe_skinny_gemm.py (with PROBE_ARGS) while the extension builds (it needs only Triton); SWEEP_BEAM=1
+# runs benchmarks/sweep_beam.py after the tests; FP8=1 adds the float8-weight draft rows (--fp8); BENCH=0 skips the
+# step benchmark.
 # Usage: LONGSPEC_GIT_SHA=$(git rev-parse --short HEAD) bash benchmarks/run_draft_step.sh
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
@@ -28,6 +30,10 @@ if [ "${TESTS:-1}" != 0 ]; then
     > "$OUT/tests_ops.log" 2>&1
   elapsed "op tests: $(tail -1 "$OUT/tests_ops.log")"
 fi
+if [ "${SWEEP_BEAM:-0}" = 1 ]; then
+  timeout "${SWEEP_TIMEOUT:-200}" python3 -m benchmarks.sweep_beam --out "$OUT" > "$OUT/sweep_beam.log" 2>&1
+  elapsed "sweep_beam rc $?"; grep -v "^ " "$OUT/sweep_beam.log" | tail -12
+fi
 decode_tests() {
   timeout "${DECODE_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider tests/decode/test_gpu_decoder.py \
     -k "fp32_speculative_equals_plain or bf16_speculative or graphed_tail or compiled_rounds" \
@@ -36,11 +42,14 @@ decode_tests() {
 }
 [ "${TESTS:-1}" = 1 ] && [ "${TESTS_LAST:-0}" != 1 ] && decode_tests
 profile=$([ "${PROFILE:-1}" = 1 ] && echo --profile)
-# shellcheck disable=SC2086
-timeout "${BENCH_TIMEOUT:-420}" python3 -m benchmarks.bench_step_latency --models ${MODELS:-Llama-3-8B pair} \
-  --contexts ${CONTEXTS:-32768} --trees ${TREES:-4-16-16-16-16} --compile on $profile --out "$OUT" \
-  > "$OUT/bench.log" 2>&1
-elapsed "bench rc $?"
-grep -v "^{" "$OUT/bench.log" | tail -20
+fp8=$([ "${FP8:-0}" = 1 ] && echo --fp8)
+if [ "${BENCH:-1}" = 1 ]; then
+  # shellcheck disable=SC2086
+  timeout "${BENCH_TIMEOUT:-420}" python3 -m benchmarks.bench_step_latency --models ${MODELS:-Llama-3-8B pair} \
+    --contexts ${CONTEXTS:-32768} --trees ${TREES:-4-16-16-16-16} --compile on $profile $fp8 --out "$OUT" \
+    > "$OUT/bench.log" 2>&1
+  elapsed "bench rc $?"
+  grep -v "^{" "$OUT/bench.log" | tail -20
+fi
 [ "${TESTS:-1}" = 1 ] && [ "${TESTS_LAST:-0}" = 1 ] && decode_tests
 exit 0

@@ -130,14 +130,20 @@ def _timeline(prof, replays: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def draft_floor_us(draft, target, context: int, depth: int, vocab_rows: int, copy_bytes_per_s: float) -> float:
+def draft_floor_us(draft, target, context: int, depth: int, vocab_rows: int, copy_bytes_per_s: float,
+                   fp8: bool = False) -> float:
     """The bytes a draft step must read over the copy bandwidth: per level (``depth`` levels run) the block's live
     weights (not the dead cross-attention k/v projections), ``vocab_rows`` rows of the LM head and the target's
-    last-layer K/V of the committed rows (the cross-attention)."""
+    last-layer K/V of the committed rows (the cross-attention). ``fp8``: the linears' weights and the head rows
+    at one byte an element plus a float32 scale a row (``LongSpecDrafter(weight_dtype=torch.float8_e4m3fn)``)."""
     dead = {"cross_attn.k_proj.weight", "cross_attn.k_proj.bias", "cross_attn.v_proj.weight", "cross_attn.v_proj.bias"}
-    block = sum(local_bytes(p) for n, p in draft.named_parameters() if n not in dead)
+    live = [(n, p) for n, p in draft.named_parameters() if n not in dead]
+    if fp8:
+        block = sum(p.numel() + 4 * p.shape[0] if n.endswith("proj.weight") else local_bytes(p) for n, p in live)
+    else:
+        block = sum(local_bytes(p) for _, p in live)
     head = target.get_output_embeddings().weight
-    head_bytes = vocab_rows * head.shape[1] * head.element_size()
+    head_bytes = vocab_rows * head.shape[1] * (1 if fp8 else head.element_size()) + (4 * vocab_rows if fp8 else 0)
     c = draft.config
     kv = 2 * context * c.num_key_value_heads * c.head_dim * head.element_size()
     return depth * (block + head_bytes + kv) / copy_bytes_per_s * 1e6
