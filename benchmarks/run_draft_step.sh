@@ -4,7 +4,7 @@
 # Knobs: TESTS=0 skips the tests, TESTS=ops runs only the op tests, TESTS_LAST=1 runs the decode tests after the
 # benchmark; MODELS / CONTEXTS / TREES pick the benchmark rows; PROFILE=0 skips the profile; PROBE=1 runs
 # benchmarks/probe_skinny_gemm.py (with PROBE_ARGS) while the extension builds (it needs only Triton); SWEEP_BEAM=1
-# runs benchmarks/sweep_beam.py after the tests; FP8=1 adds the float8-weight draft rows (--fp8); BENCH=0 skips the
+# runs benchmarks/sweep_beam.py (with SWEEP_ARGS) after the tests; FP8=1 adds the float8-weight draft rows (--fp8); BENCH=0 skips the
 # step benchmark.
 # Usage: LONGSPEC_GIT_SHA=$(git rev-parse --short HEAD) bash benchmarks/run_draft_step.sh
 set -uo pipefail
@@ -31,7 +31,7 @@ if [ "${TESTS:-1}" != 0 ]; then
   elapsed "op tests: $(tail -1 "$OUT/tests_ops.log")"
 fi
 if [ "${SWEEP_BEAM:-0}" = 1 ]; then
-  timeout "${SWEEP_TIMEOUT:-200}" python3 -m benchmarks.sweep_beam --out "$OUT" > "$OUT/sweep_beam.log" 2>&1
+  timeout "${SWEEP_TIMEOUT:-200}" python3 -m benchmarks.sweep_beam ${SWEEP_ARGS:-} --out "$OUT" > "$OUT/sweep_beam.log" 2>&1
   elapsed "sweep_beam rc $?"; grep -v "^ " "$OUT/sweep_beam.log" | tail -12
 fi
 decode_tests() {
