@@ -81,16 +81,19 @@ def default_config(n_out: int, k: int, num_sms: int = 132, swiglu: bool = False,
     programs); with more than 1.5 waves of programs (LM heads, gate/up) small tiles (128-element K steps, 3 stages)
     so that two programs share an SM, else one deep pipeline (5 stages, 256-element steps at 32 rows, 128 at 64).
     Narrow K (small models, launch-bound): 16 rows a program for <= 1024 outputs, else 32; 512-element K steps from
-    K = 1024, else 128; 3 stages. A 1-byte (float8) weight at wide K takes K steps twice as long, so a stage moves
-    the bytes the 16-bit sweep found best (a rule, not yet swept: ``probe_skinny_gemm --fp8``).
+    K = 1024, else 128; 3 stages. A 1-byte (float8) weight at wide K (``probe_skinny_gemm --fp8``, H100,
+    probe_skinny_gemm_fp8.json): 256-element K steps over 64 rows a program when there are more than 1.5 waves of
+    programs (LM head 52.7 us, best 52.1; gate/up + SwiGLU 51.2, best 50.2), else 32 rows in 512-element steps with 4
+    stages, the best launch of q/k/v (16.2 us against 20.5 for the 64-row rule), o_proj and down_proj.
     """
     per_row = 2 if swiglu else 1
     if k >= 2048:
-        widen = 2 if weight_bytes == 1 else 1
         rows = 64 if triton.cdiv(n_out * per_row, 64) >= 0.7 * num_sms else 32
         if triton.cdiv(n_out * per_row, 64) > 1.5 * num_sms:
-            return LinearConfig(rows // per_row, 128 * widen, 4, 3)
-        return LinearConfig(rows // per_row, (256 if rows == 32 else 128) * widen, 4, 5)
+            return LinearConfig(rows // per_row, 256 if weight_bytes == 1 else 128, 4, 3)
+        if weight_bytes == 1:
+            return LinearConfig(32 // per_row, 512, 4, 4)
+        return LinearConfig(rows // per_row, 256 if rows == 32 else 128, 4, 5)
     return LinearConfig(max(16, (16 if n_out <= 1024 else 32) // per_row), 512 if k >= 1024 else 128, 4, 3)
 
 

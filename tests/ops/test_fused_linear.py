@@ -136,6 +136,9 @@ def test_default_config_rule():
     for n, k, swiglu in ((6144, 4096, False), (4096, 14336, False), (14336, 4096, True), (128256, 4096, False)):
         c = default_config(n, k, 132, swiglu)  # shared memory per program (x + weight tiles, 16-bit) fits sm_90's
         assert c.num_stages * (16 + (2 if swiglu else 1) * c.block_n) * c.block_k * 2 <= 227 * 1024, (n, k)
+    assert default_config(6144, 4096, 132, weight_bytes=1) == LinearConfig(32, 512, 4, 4)  # float8 q/k/v
+    assert default_config(4096, 14336, 132, weight_bytes=1) == LinearConfig(32, 512, 4, 4)  # float8 down_proj
+    assert default_config(32768, 4096, 132, weight_bytes=1) == LinearConfig(64, 256, 4, 3)  # float8 LM head
     for n, k, swiglu in ((6144, 4096, False), (4096, 14336, False), (14336, 4096, True), (128256, 4096, False)):
         c = default_config(n, k, 132, swiglu, weight_bytes=1)  # float8 weight tiles + their 16-bit conversion
         tiles = (2 if swiglu else 1) * c.block_n * c.block_k
