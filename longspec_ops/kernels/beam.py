@@ -85,9 +85,10 @@ SELECT_THRESHOLD = 1  # a threshold from group maxima, then ranks by counting am
 _THRESHOLD_MAX_K = 64
 # From which K (kept per program) the (chunk kernel, select kernel) take the threshold selection when plan() is not
 # told: the one line to change once a GPU sweep (benchmarks/sweep_beam.py) has compared the two, e.g. (8, 8) for the
-# threshold at width 16 and the rounds at width 4, (1, 1) for the threshold everywhere. (8, 8) is a prediction from
-# the generated code's barrier and shuffle counts at 16 x 32768 (13-23 barriers a kernel against 52-53), not yet a GPU
-# measurement: the sweep decides.
+# threshold at width 16 and the rounds at width 4, (1, 1) for the threshold everywhere. Measured (H100,
+# `sweep_beam --quick --select rounds threshold`, results/h100/sweep_beam.md): at width 16 the threshold took 8.9-11.8
+# us a level against 12.1-20.2 for the rounds (27.2 vs 35.1 at 16 x 128256); at width 4 the rounds were as fast or
+# faster (4.3 vs 5.8 us at 1 x 2048, 6.5 vs 6.9 at 1 x 32768, 7.5 vs 7.4 at 1 x 128256). Hence (8, 8).
 _THRESHOLD_FROM_K = (8, 8)
 
 
