@@ -30,10 +30,11 @@ def test_generate_streams_the_greedy_text(model_dir, prompt_file, capsys, drafte
     assert "tau=" in err and "rounds=" in err
 
 
-@pytest.mark.parametrize("as_run_dir", [False, True])
-def test_generate_with_a_longspec_draft(model_dir, prompt_file, capsys, tmp_path, as_run_dir):
+@pytest.mark.parametrize("as_run_dir,fp8", [(False, False), (True, False), (False, True)])
+def test_generate_with_a_longspec_draft(model_dir, prompt_file, capsys, tmp_path, as_run_dir, fp8):
     """``--draft DIR``: a saved LongSpec draft (random weights) loads for the target and decodes losslessly; a
-    training run directory stands for the checkpoint its ``latest`` pointer names."""
+    training run directory stands for the checkpoint its ``latest`` pointer names; ``--draft-fp8`` drafts from
+    float8 weight copies, with the same output."""
     target = tiny_target("llama-gqa-d64")
     longspec.LongSpecDraft.from_target(target).save_pretrained(tmp_path / "draft" / "checkpoint-7")
     draft = tmp_path / "draft" / "checkpoint-7"
@@ -42,7 +43,7 @@ def test_generate_with_a_longspec_draft(model_dir, prompt_file, capsys, tmp_path
         draft = tmp_path / "draft"
     code, out, err = run(capsys, "generate", "--target", str(model_dir), "--prompt-file", str(prompt_file),
                          "--max-new-tokens", "10", "--dtype", "float32", "--draft", str(draft),
-                         "--tree-shape", "2", "3")
+                         "--tree-shape", "2", "3", *(["--draft-fp8"] if fp8 else []))
     assert code == 0, err
     tok = PreTrainedTokenizerFast.from_pretrained(model_dir)
     ids = tok(prompt_file.read_text(), return_tensors="pt")["input_ids"]

@@ -116,6 +116,8 @@ def _cases(model_dir, draft_dir, files, prompt):
                  f"argument --seed: must be an integer in [0, {2**64}), got {2**64}"),
         "tree shape": (["--target", t, "--prompt-file", prompt, "--tree-shape", "4", "0"],
                        "argument --tree-shape: must be an integer >= 1, got 0"),
+        "draft-fp8 without a draft": (["--target", t, "--prompt-file", prompt, "--draft-fp8"],
+                                      "--draft-fp8 needs --draft"),
     }
 
 
