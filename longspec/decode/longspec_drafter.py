@@ -53,6 +53,7 @@ from torch import Tensor
 
 import longspec_ops  # noqa: F401  (registers torch.ops.longspec)
 from longspec.model.draft import LongSpecDraft, check_target_compatible
+from longspec.model.packing import check_weight_dtype
 
 from .drafter import DecodeState, DraftTree, TreeSpec
 
@@ -125,9 +126,7 @@ class LongSpecDrafter:
         """``weight_dtype=torch.float8_e4m3fn`` drafts with float8 copies of the draft's linears and drafting head
         rows (per-row scales; :meth:`~longspec.model.draft.LongSpecDraft.pack_for_drafting`): half the bytes of a
         draft level at real sizes; the trees change slightly, the output does not."""
-        if weight_dtype not in (None, draft.dtype, torch.float8_e4m3fn):
-            raise ValueError(f"LongSpecDrafter: weight_dtype must be None, the draft's dtype {draft.dtype} or "
-                             f"torch.float8_e4m3fn, got {weight_dtype}")
+        check_weight_dtype(weight_dtype, draft.dtype, "LongSpecDrafter")
         self.draft = draft
         self.weight_dtype = weight_dtype
         self.cache: Optional[LongSpecDraftCache] = None  # the current batch size's

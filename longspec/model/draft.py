@@ -51,7 +51,8 @@ from longspec.model.draft_files import (
     load_draft_vocab,
     save_draft_vocab,
 )
-from longspec.model.packing import Packed, pack_projections, packed_or_none, quantize_linears
+from longspec.model.packing import (Packed, check_weight_dtype, drafting_weights, fused_linear as _fused,
+                                    pack_projections, packed_or_none, quantize_linears)
 from longspec.model.parallel import TensorParallel, gather_heads
 
 # The 20 tensors of a published checkpoint; every one is a parameter of LongSpecDraft under the same name.
@@ -77,15 +78,6 @@ class LongSpecAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, hkv * d, bias=True)
         self.v_proj = nn.Linear(config.hidden_size, hkv * d, bias=True)
         self.o_proj = nn.Linear(hq * d, config.hidden_size, bias=False)
-
-
-def _fused(x: Tensor, weight: tuple[Tensor, Optional[Tensor]], bias: Optional[Tensor], *,
-           norm: Optional[nn.Module] = None, residual: Optional[Tensor] = None, swiglu: bool = False) -> Tensor:
-    """``[residual +] act(linear(norm(x)))`` as one ``longspec::fused_linear`` (``weight``: (weight, its float8
-    row scales or None); ``norm``: an RMSNorm module)."""
-    return torch.ops.longspec.fused_linear(x, weight[0], bias, None if norm is None else norm.weight,
-                                           0.0 if norm is None else float(norm.variance_epsilon), residual, swiglu,
-                                           weight[1])
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -168,42 +160,20 @@ class LongSpecDraft(PreTrainedModel):
         parameters new storage (``.to()``, an assigning load). :class:`~longspec.LongSpecDrafter` calls it at
         prefill.
 
-        ``weight_dtype=torch.float8_e4m3fn``: drafting reads every linear of a level (q/k/v, both o_proj, the
-        cross q_proj, gate/up, down and the drafting LM head rows) as a float8 copy with per-row scales, half the
-        bytes (the parameters, the target's head and the state dict stay as they are; the copies cost half the
-        draft block's bytes plus half the drafting head's). The draft then proposes slightly different trees;
-        verification is unchanged, so the output is still exactly the target's. The window refeed (``W + 1``
-        rows of K/V a round) keeps the 16-bit q/k/v weights. None (or the draft's dtype): 16-bit weights."""
-        if weight_dtype not in (None, self.dtype, torch.float8_e4m3fn):
-            raise ValueError(f"weight_dtype must be None, the draft's dtype {self.dtype} or torch.float8_e4m3fn, "
-                             f"got {weight_dtype}")
-        fp8 = weight_dtype == torch.float8_e4m3fn
+        ``weight_dtype=torch.float8_e4m3fn``: every linear of a level and the drafting head rows are read as float8
+        copies with per-row scales (:mod:`longspec.model.packing`), half the bytes; the parameters stay. The trees
+        change slightly, the output does not. The window refeed (``W + 1`` rows) keeps the 16-bit q/k/v."""
+        fp8 = check_weight_dtype(weight_dtype, self.dtype, "LongSpecDraft.pack_for_drafting")
         packed = packed_or_none(self._packed)
         if packed is None:
             packed = pack_projections(self.self_attn, self.mlp)
         if fp8 and packed.fp8 is None:
-            packed = replace(packed, fp8=quantize_linears(self._drafting_weights(packed)))
+            head = self._draft_head if self._draft_head is not None else self._require_target().lm_head.weight
+            packed = replace(packed, fp8=quantize_linears(drafting_weights(self, packed, head)))
         elif not fp8 and packed.fp8 is not None:
             packed = replace(packed, fp8=None)
         self._packed = packed
         return self
-
-    def _drafting_weights(self, packed: Packed) -> dict[str, Tensor]:
-        """The weights drafting reads per level, by name (a tensor-parallel LM head keeps its own path)."""
-        head = self._draft_head if self._draft_head is not None else self._require_target().lm_head.weight
-        weights = {"qkv": packed.qkv_weight, "self_o": self.self_attn.o_proj.weight,
-                   "cross_q": self.cross_attn.q_proj.weight, "cross_o": self.cross_attn.o_proj.weight,
-                   "gate_up": packed.gate_up_weight, "down": self.mlp.down_proj.weight}
-        if not _is_dtensor(head):
-            weights["head"] = head
-        return {name: w.detach() for name, w in weights.items()}
-
-    def _weight(self, name: str, weight: Tensor) -> tuple[Tensor, Optional[Tensor]]:
-        """(weight, row scales) drafting reads for ``name``: the float8 copy when packed so, else ``weight``."""
-        fp8 = self._packed.fp8 if self._packed is not None else None
-        if fp8 is not None and name in fp8.weights:
-            return fp8.weights[name]
-        return weight, None
 
     def _require_target(self) -> _Borrowed:
         if self._borrowed is None:
@@ -250,7 +220,7 @@ class LongSpecDraft(PreTrainedModel):
             first = 0 if need_q else attn.num_heads * D
             bias = packed.qkv_bias[first:] if packed.qkv_bias is not None else None
             # the window refeed (need_q False, W + 1 rows) keeps the 16-bit weights: more rows than fp8's kernel takes
-            weight = self._weight("qkv", packed.qkv_weight) if need_q else (packed.qkv_weight[first:], None)
+            weight = self._packed.weight("qkv", packed.qkv_weight) if need_q else (packed.qkv_weight[first:], None)
             qkv = _fused(x, weight, bias, norm=self.input_layernorm).view(B, S, -1, D)
             q, k, v = qkv.split([attn.num_heads if need_q else 0, attn.num_kv_heads, attn.num_kv_heads], dim=2)
         else:
@@ -304,8 +274,9 @@ class LongSpecDraft(PreTrainedModel):
         """h1 = x + o_proj(self_out): x ``[B, S, H]``, self_out ``[B, S, Hq, D]``."""
         B, S, _ = x.shape
         o_proj = self.self_attn.o_proj
-        if self._drafting() is not None:
-            return _fused(self_out.reshape(B, S, -1), self._weight("self_o", o_proj.weight), o_proj.bias, residual=x)
+        packed = self._drafting()
+        if packed is not None:
+            return _fused(self_out.reshape(B, S, -1), packed.weight("self_o", o_proj.weight), o_proj.bias, residual=x)
         return x + o_proj(self_out.reshape(B, S, -1))
 
     def cross_query(self, h1: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -316,7 +287,7 @@ class LongSpecDraft(PreTrainedModel):
         B, S, _ = h1.shape
         ca, norm = self.cross_attn, self.post_self_attention_layernorm
         if self._drafting() is not None:
-            q = _fused(h1, self._weight("cross_q", ca.q_proj.weight), ca.q_proj.bias, norm=norm)
+            q = _fused(h1, self._packed.weight("cross_q", ca.q_proj.weight), ca.q_proj.bias, norm=norm)
         else:
             q = ca.q_proj(norm(h1))
         return apply_rope(q.view(B, S, ca.num_heads, ca.head_dim), cos, sin)
@@ -332,14 +303,14 @@ class LongSpecDraft(PreTrainedModel):
         if packed is None:
             h2 = h1 + o_proj(cross.reshape(B, S, -1))
             return h2 + mlp(norm(h2))
-        h2 = _fused(cross.reshape(B, S, -1), self._weight("cross_o", o_proj.weight), o_proj.bias, residual=h1)
-        gate_up = self._weight("gate_up", packed.gate_up_weight)
+        h2 = _fused(cross.reshape(B, S, -1), self._packed.weight("cross_o", o_proj.weight), o_proj.bias, residual=h1)
+        gate_up = self._packed.weight("gate_up", packed.gate_up_weight)
         if self.config.hidden_act in ("silu", "swish"):  # transformers' names of one function
             act = _fused(h2, gate_up, packed.gate_up_bias, norm=norm, swiglu=True)
         else:
             gate, up = _fused(h2, gate_up, packed.gate_up_bias, norm=norm).chunk(2, dim=-1)
             act = mlp.act_fn(gate) * up
-        return _fused(act, self._weight("down", mlp.down_proj.weight), mlp.down_proj.bias, residual=h2)
+        return _fused(act, self._packed.weight("down", mlp.down_proj.weight), mlp.down_proj.bias, residual=h2)
 
     def _drafting(self) -> Optional[Packed]:
         """The packed projections while drafting (gradients off, :meth:`pack_for_drafting` done), else None:
@@ -351,7 +322,7 @@ class LongSpecDraft(PreTrainedModel):
         """out ``[B, S, H]`` -> logits ``[B, S, V]`` through the target's LM head, with no final norm."""
         head = self._require_target().lm_head
         if self._drafting() is not None and not _is_dtensor(head.weight):  # a tensor-parallel head: its own path
-            return _fused(out.to(head.weight.dtype), self._weight("head", head.weight), head.bias)
+            return _fused(out.to(head.weight.dtype), self._packed.weight("head", head.weight), head.bias)
         return head(out.to(head.weight.dtype))
 
     # --- the reduced drafting vocabulary ---------------------------------------------------------------------------
@@ -405,7 +376,7 @@ class LongSpecDraft(PreTrainedModel):
         if self.draft_vocab is None:
             return self.logits(out)
         if self._drafting() is not None:
-            return _fused(out.to(self._draft_head.dtype), self._weight("head", self._draft_head), None)
+            return _fused(out.to(self._draft_head.dtype), self._packed.weight("head", self._draft_head), None)
         return torch.nn.functional.linear(out.to(self._draft_head.dtype), self._draft_head)
 
     def target_token_ids(self, draft_ids: Tensor) -> Tensor:

@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from longspec.model.draft_files import _is_dtensor
 from longspec_ops.reference.linear import quantize_fp8_rows
 
 
@@ -37,6 +38,12 @@ class Packed:
     gate_up_bias: Optional[Tensor]
     members: tuple[tuple[nn.Parameter, Tensor], ...]  # (parameter, the packed tensor it must be a view of)
     fp8: Optional["Fp8Weights"] = None  # float8 copies of the drafting linears (quantize_linears), or 16-bit
+
+    def weight(self, name: str, weight: Tensor) -> tuple[Tensor, Optional[Tensor]]:
+        """(weight, float8 row scales or None) drafting reads for ``name``: its float8 copy, else ``weight``."""
+        if self.fp8 is not None and name in self.fp8.weights:
+            return self.fp8.weights[name]
+        return weight, None
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,15 @@ class Fp8Weights:
 
 def _version(t: Tensor) -> int:
     return -1 if t.is_inference() else t._version
+
+
+def check_weight_dtype(weight_dtype: Optional[torch.dtype], draft_dtype: torch.dtype, where: str) -> bool:
+    """Whether ``weight_dtype`` asks for float8 drafting weights; ValueError unless it is None, ``draft_dtype`` or
+    ``torch.float8_e4m3fn``."""
+    if weight_dtype not in (None, draft_dtype, torch.float8_e4m3fn):
+        raise ValueError(f"{where}: weight_dtype must be None, the draft's dtype {draft_dtype} or "
+                         f"torch.float8_e4m3fn, got {weight_dtype}")
+    return weight_dtype == torch.float8_e4m3fn
 
 
 def quantize_linears(weights: dict[str, Tensor]) -> Fp8Weights:
@@ -89,6 +105,26 @@ def pack_projections(attn: nn.Module, mlp: nn.Module) -> Packed:
     members = tuple((getattr(m, a), t) for group, w, b in ((qkv, qkv_w, qkv_b), (gate_up, gu_w, gu_b))
                     for m in group for a, t in (("weight", w), ("bias", b)) if t is not None)
     return Packed(qkv_w, qkv_b, gu_w, gu_b, members)
+
+
+def drafting_weights(draft: nn.Module, packed: Packed, head: Tensor) -> dict[str, Tensor]:
+    """The weights a :class:`~longspec.model.draft.LongSpecDraft` level reads while drafting, by name (``head``: its
+    drafting LM head rows; a tensor-parallel head keeps its own path and is left out)."""
+    weights = {"qkv": packed.qkv_weight, "self_o": draft.self_attn.o_proj.weight,
+               "cross_q": draft.cross_attn.q_proj.weight, "cross_o": draft.cross_attn.o_proj.weight,
+               "gate_up": packed.gate_up_weight, "down": draft.mlp.down_proj.weight}
+    if not _is_dtensor(head):
+        weights["head"] = head
+    return {name: w.detach() for name, w in weights.items()}
+
+
+def fused_linear(x: Tensor, weight: tuple[Tensor, Optional[Tensor]], bias: Optional[Tensor], *,
+                 norm: Optional[nn.Module] = None, residual: Optional[Tensor] = None, swiglu: bool = False) -> Tensor:
+    """``[residual +] act(linear(norm(x)))`` as one ``longspec::fused_linear`` (``weight``: (weight, its float8
+    row scales or None); ``norm``: an RMSNorm module)."""
+    return torch.ops.longspec.fused_linear(x, weight[0], bias, None if norm is None else norm.weight,
+                                           0.0 if norm is None else float(norm.variance_epsilon), residual, swiglu,
+                                           weight[1])
 
 
 def packed_or_none(packed: Optional[Packed]) -> Optional[Packed]:

@@ -110,7 +110,8 @@ def _fused_linear_kernel(
     stride_xm, stride_wn, stride_rm,
     eps,
     HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, SWIGLU: tl.constexpr,
-    HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
@@ -199,10 +200,12 @@ def fused_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], norm_weight:
             config = default_config(n_out, K, _num_sms(x.device), bool(swiglu), weight.element_size())
         scale = weight_scale.contiguous() if weight_scale is not None else x2
         _fused_linear_kernel[(triton.cdiv(n_out, config.block_n),)](
-            x2, weight, scale, bias if bias is not None else x2, norm_weight if norm_weight is not None else x2, res2, out,
+            x2, weight, scale, bias if bias is not None else x2, norm_weight if norm_weight is not None else x2,
+            res2, out,
             M, n_out, K, x2.stride(0), weight.stride(0), res2.stride(0), float(eps),
             HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None, HAS_RES=residual is not None,
-            SWIGLU=bool(swiglu), HAS_SCALE=weight_scale is not None, BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            SWIGLU=bool(swiglu), HAS_SCALE=weight_scale is not None,
+            BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             DOT_PRECISION=_dot_precision(x.dtype),
             num_warps=config.num_warps, num_stages=config.num_stages,
         )

@@ -118,5 +118,9 @@ def test_fp8_copies_follow_the_weights():
     assert draft._packed.fp8.weights["head"][0].shape == (80, 64)
     draft.pack_for_drafting()
     assert draft._packed.fp8 is None
-    with pytest.raises(ValueError, match="weight_dtype must be None"):
+    with pytest.raises(ValueError, match="pack_for_drafting: weight_dtype must be None"):
         draft.pack_for_drafting(torch.float16)
+    from longspec import LongSpecDrafter
+
+    with pytest.raises(ValueError, match="LongSpecDrafter: weight_dtype must be None"):
+        LongSpecDrafter(draft, weight_dtype=torch.int8)
