@@ -158,19 +158,21 @@ class LongSpecDraft(PreTrainedModel):
         become views of them: same values, same state dict, no second copy), so that drafting (gradients off) runs
         one GEMM per group (:mod:`longspec.model.packing`). Idempotent; packs again after anything gave the
         parameters new storage (``.to()``, an assigning load). :class:`~longspec.LongSpecDrafter` calls it at
-        prefill.
-
-        ``weight_dtype=torch.float8_e4m3fn``: every linear of a level and the drafting head rows are read as float8
-        copies with per-row scales (:mod:`longspec.model.packing`), half the bytes; the parameters stay. The trees
-        change slightly, the output does not. The window refeed (``W + 1`` rows) keeps the 16-bit q/k/v."""
+        prefill. ``weight_dtype=torch.float8_e4m3fn``: every linear of a level and the drafting head rows are read
+        as float8 copies with per-row scales, half the bytes; the trees change slightly, the output does not. The
+        window refeed (``W + 1`` rows) keeps the 16-bit q/k/v."""
         fp8 = check_weight_dtype(weight_dtype, self.dtype, "LongSpecDraft.pack_for_drafting")
         packed = packed_or_none(self._packed)
         if packed is None:
             packed = pack_projections(self.self_attn, self.mlp)
-        if fp8 and packed.fp8 is None:
+        if fp8:
             head = self._draft_head if self._draft_head is not None else self._require_target().lm_head.weight
-            packed = replace(packed, fp8=quantize_linears(drafting_weights(self, packed, head)))
-        elif not fp8 and packed.fp8 is not None:
+            sources = drafting_weights(self, packed, head)
+            if packed.fp8 is not None and packed.fp8.covers(sources):
+                packed.fp8.refresh()  # in place: graphs captured on the copies stay valid
+            else:
+                packed = replace(packed, fp8=quantize_linears(sources))
+        elif packed.fp8 is not None:
             packed = replace(packed, fp8=None)
         self._packed = packed
         return self

@@ -13,8 +13,8 @@ tensors) and the drafter packs again at its next prefill.
 **Float8 drafting weights** (:func:`quantize_linears`): drafting may read every linear of a level as
 ``float8_e4m3fn`` with one float32 scale per output row (``longspec::fused_linear``'s ``weight_scale``), half the
 bytes of a 16-bit weight, since a level's GEMMs over <= 16 rows are weight reads. These are copies made from the
-parameters' values, so :class:`Fp8Weights` records each source's version counter and :func:`packed_or_none`
-drops the copies once a source was written in place (an optimiser step), and the drafter quantizes again.
+parameters' values, so :class:`Fp8Weights` records each source's version counter, and packing again after a
+source was written in place (an optimiser step) quantizes it again into the same tensors.
 """
 from __future__ import annotations
 
@@ -46,19 +46,35 @@ class Packed:
         return weight, None
 
 
-@dataclass(frozen=True)
+@dataclass
 class Fp8Weights:
     """``weights[name] = (float8_e4m3fn [N, K], float32 scale [N])`` of each drafting linear, quantized from
     ``sources`` (the tensors whose values they copy) at their ``versions``."""
 
     weights: dict[str, tuple[Tensor, Tensor]]
-    sources: tuple[Tensor, ...]
-    versions: tuple[int, ...]
+    sources: dict[str, Tensor]
+    versions: dict[str, int]
 
     def current(self) -> bool:
         """Whether no source was written in place since the copies were made (inference tensors keep no version
         counter: theirs count as current)."""
-        return all(_version(t) == v for t, v in zip(self.sources, self.versions))
+        return all(_version(t) == self.versions[name] for name, t in self.sources.items())
+
+    def covers(self, sources: dict[str, Tensor]) -> bool:
+        """Whether these copies were made from ``sources`` (the same memory and shapes, by name)."""
+        return self.sources.keys() == sources.keys() and all(
+            t.data_ptr() == sources[n].data_ptr() and t.shape == sources[n].shape for n, t in self.sources.items())
+
+    def refresh(self) -> None:
+        """Quantize the sources written since into the same tensors, in place: CUDA graphs captured on the copies
+        read the new values (new tensors would leave them reading freed memory)."""
+        with torch.no_grad():
+            for name, t in self.sources.items():
+                if _version(t) != self.versions[name]:
+                    w8, scale = quantize_fp8_rows(t)
+                    self.weights[name][0].copy_(w8)
+                    self.weights[name][1].copy_(scale)
+                    self.versions[name] = _version(t)
 
 
 def _version(t: Tensor) -> int:
@@ -78,8 +94,7 @@ def quantize_linears(weights: dict[str, Tensor]) -> Fp8Weights:
     """Per-row float8 copies of ``weights`` (name -> ``[N, K]``), remembering the sources' versions."""
     with torch.no_grad():
         q = {name: quantize_fp8_rows(w) for name, w in weights.items()}
-    sources = tuple(weights.values())
-    return Fp8Weights(q, sources, tuple(_version(t) for t in sources))
+    return Fp8Weights(q, dict(weights), {name: _version(t) for name, t in weights.items()})
 
 
 def _pack(layers: list[nn.Linear], attr: str) -> Optional[Tensor]:
@@ -129,7 +144,7 @@ def fused_linear(x: Tensor, weight: tuple[Tensor, Optional[Tensor]], bias: Optio
 
 def packed_or_none(packed: Optional[Packed]) -> Optional[Packed]:
     """``packed`` if every member parameter still lives inside its packed tensor, else None."""
-    if packed is None or (packed.fp8 is not None and not packed.fp8.current()):
+    if packed is None:
         return None
     for param, base in packed.members:
         start = base.data_ptr()

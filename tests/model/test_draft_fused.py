@@ -106,12 +106,18 @@ def test_fp8_copies_follow_the_weights():
     made again at the next packing; packing without a dtype drops them."""
     draft = LongSpecDraft.from_target(tiny_target("llama", (4, 2), hidden=64, vocab=160))
     draft.pack_for_drafting(torch.float8_e4m3fn)
-    first = draft._packed.fp8
+    fp8 = draft._packed.fp8
+    w8, scale = fp8.weights["down"]
+    before = scale.clone()
+    draft.pack_for_drafting(torch.float8_e4m3fn)
+    assert draft._packed.fp8 is fp8 and fp8.current()  # nothing changed: nothing redone
     with torch.no_grad():
         draft.mlp.down_proj.weight.mul_(2.0)  # an optimiser step writes in place
+    assert not fp8.current()
     draft.pack_for_drafting(torch.float8_e4m3fn)
-    assert draft._packed.fp8 is not first
-    assert torch.equal(draft._packed.fp8.weights["down"][1], 2.0 * first.weights["down"][1])
+    # requantized into the same tensors (captured graphs read them), to the new values
+    assert draft._packed.fp8 is fp8 and fp8.weights["down"][0] is w8 and fp8.weights["down"][1] is scale
+    assert torch.equal(scale, 2.0 * before) and fp8.current()
     draft.set_draft_vocab(torch.arange(0, 160, 2))
     assert draft._packed.fp8 is None
     draft.pack_for_drafting(torch.float8_e4m3fn)
