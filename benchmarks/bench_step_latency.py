@@ -283,6 +283,30 @@ def _plot(rows: list[dict], path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _inductor_settings(ap, items: list[str]) -> dict:
+    """``KEY=VALUE`` strings -> torch._inductor.config settings, applied now (values parsed by the setting's type)."""
+    import torch._inductor.config as inductor_config
+
+    settings = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not hasattr(inductor_config, key):
+            ap.error(f"argument --inductor: expected KEY=VALUE with KEY a torch._inductor.config setting, got {item!r}")
+        current = getattr(inductor_config, key)
+        if isinstance(current, bool):
+            if text not in ("True", "False", "1", "0"):
+                ap.error(f"argument --inductor: {key} takes True or False, got {text!r}")
+            value = text in ("True", "1")
+        else:
+            try:
+                value = type(current)(text) if current is not None else text
+            except ValueError:
+                ap.error(f"argument --inductor: {key} takes a {type(current).__name__}, got {text!r}")
+        setattr(inductor_config, key, value)
+        settings[key] = value
+    return settings
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     models = sorted(PUBLISHED_CONFIGS)
@@ -308,12 +332,16 @@ def main(argv=None) -> None:
                     help="no measurement: combine the rows of runs split over several device calls into one result")
     ap.add_argument("--tree-tau", metavar="TREE_TAU_JSON",
                     help="benchmarks.tree_tau's result: each row gets its tree's tau over the first tree's there")
+    ap.add_argument("--inductor", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="torch._inductor.config settings for every compile of the run (an A/B knob, e.g. "
+                         "combo_kernels=True); recorded in the result's meta")
     ap.add_argument("--adaptive", action="store_true",
                     help="only the adaptive / merged rounds (step_latency_adaptive), not the floors")
     a = ap.parse_args(argv)
     if a.merge:
         merge(a.merge, a.tree_tau, a.out)
         return
+    inductor = _inductor_settings(ap, a.inductor)
     if not torch.cuda.is_available():
         raise SystemExit("bench_step_latency needs a CUDA device")
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -348,6 +376,8 @@ def main(argv=None) -> None:
     if any(min(t) < 1 for t in trees):
         ap.error(f"argument --trees: nodes per depth must be >= 1, got {a.trees}")
     meta = {"trees": " ".join(a.trees), "copy TB/s": round(peaks["copy_bytes_per_s"] / 1e12, 2)}
+    if inductor:
+        meta["inductor"] = " ".join(f"{k}={v}" for k, v in inductor.items())
     if a.tp:
         meta["tensor_parallel"] = world
     suite = f"step_latency_tp{world}" if a.tp else "step_latency"
