@@ -37,14 +37,23 @@ def project(e2e_rows: list[dict], step_rows: list[dict], context: int, method: s
                         "tau": tau, "accept_by_depth": "/".join(f"{a:.2f}" for a in p["accept_by_depth"]),
                         "decode_ms": s["decode_wall_us"] / 1e3, "round_ms": s["round_wall_us"] / 1e3,
                         "round_per_decode": s["round_wall_us"] / s["decode_wall_us"],
-                        "speedup": tau * s["decode_wall_us"] / s["round_wall_us"]})
+                        "speedup": tau * s["decode_wall_us"] / s["round_wall_us"],
+                        **{f"speedup_{key}": tau * s["decode_wall_us"] / s[f"round_{key}_wall_us"]
+                           for key in DRAFT_VARIANTS if f"round_{key}_wall_us" in s}})
     return out
+
+
+# bench_step_latency's drafting variants (a reduced drafting vocabulary, float8 weight copies, both): each round's
+# own projection beside the 16-bit full-vocabulary one
+DRAFT_VARIANTS = ("reduced", "fp8", "fp8_reduced")
 
 
 COLUMNS = [("model", "model", ""), ("context", "context", ""), ("compile", "compiled", ""), ("T", "T", ""),
            ("tau", "pair tau", ".2f"), ("accept_by_depth", "accepted by depth", ""),
            ("decode_ms", "decode ms", ".2f"), ("round_ms", "round ms", ".2f"),
-           ("round_per_decode", "round / decode", ".2f"), ("speedup", "projected speedup", ".2f")]
+           ("round_per_decode", "round / decode", ".2f"), ("speedup", "projected speedup", ".2f"),
+           ("speedup_reduced", "reduced vocab", ".2f"), ("speedup_fp8", "float8", ".2f"),
+           ("speedup_fp8_reduced", "float8, reduced vocab", ".2f")]
 
 
 def main(argv=None) -> None:
@@ -71,8 +80,9 @@ def main(argv=None) -> None:
                   notes=["speedup = the pair's measured tau x plain step / LongSpec round (both measured); "
                          "`python -m benchmarks.project_speedup`"])
     for r in rows:
+        variants = "".join(f", {key} x{r[f'speedup_{key}']:.2f}" for key in DRAFT_VARIANTS if f"speedup_{key}" in r)
         print(f"{r['model']:12s} compile={r['compile']!s:5s} T={r['T']} tau {r['tau']:.2f} "
-              f"round/decode {r['round_per_decode']:.2f} -> x{r['speedup']:.2f}")
+              f"round/decode {r['round_per_decode']:.2f} -> x{r['speedup']:.2f}{variants}")
 
 
 if __name__ == "__main__":
