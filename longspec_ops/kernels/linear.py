@@ -61,12 +61,15 @@ class LinearConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    fp8_path: int = 1  # a float8 weight's conversion to bfloat16 (``_from_fp8``'s PATH: 0, 1 or 2)
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"LinearConfig.{name} must be a power of two >= 16, got {value}")
+        if self.fp8_path not in (0, 1, 2):
+            raise ValueError(f"LinearConfig.fp8_path must be 0, 1 or 2, got {self.fp8_path}")
         if self.num_warps < 1 or self.num_stages < 1:
             raise ValueError(f"LinearConfig.num_warps and num_stages must be >= 1, got {self.num_warps}, "
                              f"{self.num_stages}")
@@ -97,6 +100,44 @@ def default_config(n_out: int, k: int, num_sms: int = 132, swiglu: bool = False,
     return LinearConfig(max(16, (16 if n_out <= 1024 else 32) // per_row), 512 if k >= 1024 else 128, 4, 3)
 
 
+# e4m3 bytes -> bf16 pairs by bit moves (CUTLASS's trick): each byte to the top of a 16-bit lane (prmt), its
+# exponent and mantissa moved down 4 bits under the sign (a bf16 of value w * 2^-120, subnormals and zero included),
+# then one packed multiply by 2^120 (exact: a power of two, no overflow). All on the integer and FMA pipes.
+_E4M3_TO_BF16_ASM = tl.constexpr("""{
+.reg .b32 a, b, m, c;
+prmt.b32 a, $2, 0, 0x1404;
+prmt.b32 b, $2, 0, 0x3424;
+mov.b32 c, 0x7B807B80;
+and.b32 m, a, 0x7F007F00;
+shr.b32 m, m, 4;
+and.b32 a, a, 0x80008000;
+or.b32 a, a, m;
+and.b32 m, b, 0x7F007F00;
+shr.b32 m, m, 4;
+and.b32 b, b, 0x80008000;
+or.b32 b, b, m;
+mul.rn.bf16x2 $0, a, c;
+mul.rn.bf16x2 $1, b, c;
+}""")
+
+
+@triton.jit
+def _from_fp8(w, dtype: tl.constexpr, PATH: tl.constexpr):
+    """A float8_e4m3fn tile in ``dtype`` (exact: every e4m3 value is a normal float16 and a bfloat16). PATH (to
+    bfloat16; float16 always converts directly): 0 Triton's conversion, which on sm_90 goes e4m3 -> f16 (one
+    packed instruction a pair) and then f16 -> bf16 one element at a time on the slow conversion unit (F2F: 128
+    per thread and 512-element K step at 32 rows a program); 1 through float32 (f16 -> f32 on the FMA pipe, a
+    packed f32 -> bf16 pair); 2 bit moves and a packed multiply (``_E4M3_TO_BF16_ASM``; sm_90 PTX, so never
+    under the interpreter, where it falls back to PATH 1)."""
+    if dtype == tl.bfloat16:
+        if PATH == 1:
+            return w.to(tl.float16).to(tl.float32).to(tl.bfloat16)
+        if PATH == 2:
+            return tl.inline_asm_elementwise(_E4M3_TO_BF16_ASM, "=r,=r,r", [w.to(tl.uint8, bitcast=True)],
+                                             dtype=tl.bfloat16, is_pure=True, pack=4)
+    return w.to(dtype)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _fused_linear_kernel(
     X,  # (M, K), stride(-1) == 1
@@ -110,7 +151,7 @@ def _fused_linear_kernel(
     stride_xm, stride_wn, stride_rm,
     eps,
     HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, SWIGLU: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
+    HAS_SCALE: tl.constexpr, FP8_PATH: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -133,21 +174,29 @@ def _fused_linear_kernel(
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + offs_k
-        k_ok = rk < K
-        x = tl.load(x_rows + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if EVEN_K:  # K a multiple of BLOCK_K (real model widths): the masks are loop-invariant, no per-step compares
+            x_mask = m_ok[:, None]
+            w_mask = n_ok[:, None]
+        else:
+            k_ok = rk < K
+            x_mask = m_ok[:, None] & k_ok[None, :]
+            w_mask = n_ok[:, None] & k_ok[None, :]
+        x = tl.load(x_rows + rk[None, :], mask=x_mask, other=0.0)
         if HAS_NORM:
-            g = tl.load(G + rk, mask=k_ok, other=0.0).to(tl.float32)
+            if EVEN_K:
+                g = tl.load(G + rk).to(tl.float32)
+            else:
+                g = tl.load(G + rk, mask=k_ok, other=0.0).to(tl.float32)
             xn = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)  # LlamaRMSNorm rounds here ...
             x = (g[None, :] * xn.to(tl.float32)).to(x.dtype)  # ... and after the weight
-        w_mask = n_ok[:, None] & k_ok[None, :]
         w = tl.load(W + rn[:, None] * stride_wn + rk[None, :], mask=w_mask, other=0.0)
         if HAS_SCALE:
-            w = w.to(x.dtype)
+            w = _from_fp8(w, x.dtype, FP8_PATH)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
         if SWIGLU:
             wu = tl.load(W + (rn + N_OUT)[:, None] * stride_wn + rk[None, :], mask=w_mask, other=0.0)
             if HAS_SCALE:
-                wu = wu.to(x.dtype)
+                wu = _from_fp8(wu, x.dtype, FP8_PATH)
             acc_up = tl.dot(x, tl.trans(wu), acc_up, input_precision=DOT_PRECISION)
 
     DT = Y.dtype.element_ty
@@ -205,6 +254,8 @@ def fused_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], norm_weight:
             M, n_out, K, x2.stride(0), weight.stride(0), res2.stride(0), float(eps),
             HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None, HAS_RES=residual is not None,
             SWIGLU=bool(swiglu), HAS_SCALE=weight_scale is not None,
+            FP8_PATH=config.fp8_path if x.device.type == "cuda" else min(config.fp8_path, 1),
+            EVEN_K=K % config.block_k == 0,
             BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             DOT_PRECISION=_dot_precision(x.dtype),
             num_warps=config.num_warps, num_stages=config.num_stages,

@@ -171,6 +171,23 @@ def test_fp8_weight_within_twice_the_references_error(dtype, M, config, flags):
     assert err <= 2 * ref_err + FLOOR[dtype], f"error {err:.3g} vs reference error {ref_err:.3g}"
 
 
+@pytest.mark.parametrize("path", [0, 1, 2])
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])
+def test_every_fp8_conversion_path_is_exact(dtype, path):
+    """Every e4m3 code (NaNs aside; subnormals, both zeros, +-448 included) comes out of each float8 -> 16-bit
+    conversion (``LinearConfig.fp8_path``) as its exact value: one-hot rows read single weights through the GEMM,
+    whose one nonzero product per output is exact. The bfloat16 paths differ (``_from_fp8``) and run on the GPU
+    only (the interpreter's bfloat16 dot is wrong); path 2 is sm_90 PTX, which the interpreter runs as path 1."""
+    codes = torch.arange(256, dtype=torch.int32)
+    codes[(codes & 0x7F) == 0x7F] = 0  # the two NaN codes
+    w8 = codes.to(torch.uint8).view(torch.float8_e4m3fn).view(16, 16)  # w8[n, k] = code 16 n + k
+    x = torch.eye(16, dtype=dtype)  # row m reads column m of every weight row
+    cfg = LinearConfig(block_n=16, block_k=16, num_warps=1, num_stages=1, fp8_path=path)
+    got = fused_linear(x.to(DEVICE), w8.to(DEVICE), None, None, 0.0, None, False,
+                       weight_scale=torch.ones(16, device=DEVICE), config=cfg)
+    assert torch.equal(got.cpu(), w8.float().T.to(dtype))
+
+
 def test_fp8_reference_is_the_dequantized_linear():
     """The CPU op with a float8 weight is ``x @ (w8 * scale)^T + bias`` in float32, rounded once to x's dtype."""
     g = torch.Generator().manual_seed(11)
