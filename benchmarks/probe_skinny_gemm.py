@@ -14,7 +14,7 @@ both against the byte floor (weight + activations at the measured copy bandwidth
 ``--fp8``: instead, float8_e4m3fn weights with per-row scales (``fused_linear``'s ``weight_scale``) against the
 16-bit table launch and cuBLAS at the same shapes, over a grid of launches (the float8 rule in
 :func:`~longspec_ops.kernels.linear.default_config` is the table's ``fp8_table`` column), and the table launch with
-each float8 -> bfloat16 conversion (``LinearConfig.fp8_path``; ``--no-grid``: without the grid).
+each float8 -> bfloat16 conversion (``LinearConfig.fp8_path``) at 4 and 8 warps (``--no-grid``: without the grid).
 
 Usage (GPU): ``python -m benchmarks.probe_skinny_gemm [--fusions-only | --fp8] [--out DIR]``. The kernel's values are
 tested in ``tests/ops/test_fused_linear.py``.
@@ -170,12 +170,13 @@ def probe_fp8(out_dir: str | None, grid: bool = True) -> list[dict]:
         cublas = None if swiglu else graph_calls_us(_rotating(lambda w: torch.mm(x, w.t()), ws), calls=32)
         table = default_config(n_out, K, sms, swiglu, weight_bytes=1)
         fp8_table = graph_calls_us(_rotating(lambda wq: run8(wq, table), q8), calls=32)
-        paths, same = {}, {}  # the table launch with each float8 -> bfloat16 conversion (LinearConfig.fp8_path)
-        for path in (0, 1, 2):
-            cfg = dataclasses.replace(table, fp8_path=path)
+        # the table launch with each float8 -> bfloat16 conversion (LinearConfig.fp8_path), at 4 and 8 warps
+        paths, same = {}, {}
+        for path, warps in itertools.product((0, 1, 2), (4, 8)):
+            cfg = dataclasses.replace(table, fp8_path=path, num_warps=warps)
             # every path converts exactly, so the products and the result are the same bits
-            same[path] = torch.equal(run8(q8[0], cfg), run8(q8[0], dataclasses.replace(table, fp8_path=0)))
-            paths[path] = graph_calls_us(_rotating(lambda wq, c=cfg: run8(wq, c), q8), calls=32)
+            same[path, warps] = torch.equal(run8(q8[0], cfg), run8(q8[0], dataclasses.replace(table, fp8_path=0)))
+            paths[path, warps] = graph_calls_us(_rotating(lambda wq, c=cfg: run8(wq, c), q8), calls=32)
         best = None
         for cfg in FP8_CONFIGS if K >= 2048 and grid else []:
             try:
@@ -192,14 +193,15 @@ def probe_fp8(out_dir: str | None, grid: bool = True) -> list[dict]:
         row = {"shape": name, "M": M, "N": N, "K": K, "floor16_us": floor16, "floor8_us": floor8,
                "cublas_us": cublas, "bf16_table_us": bf16, "fp8_table_us": fp8_table,
                "fp8_table_config": dataclasses.asdict(table),
-               **{f"fp8_path{p}_us": us for p, us in paths.items()},
-               **{f"fp8_path{p}_same_bits": ok for p, ok in same.items()},
+               **{f"fp8_path{p}_w{w}_us": us for (p, w), us in paths.items()},
+               **{f"fp8_path{p}_w{w}_same_bits": ok for (p, w), ok in same.items()},
                "fp8_best_us": best[0] if best else None,
                "fp8_best_config": dataclasses.asdict(best[1]) if best else None}
         rows.append(row)
+        variants = " ".join(f"{p}/{w} {us:.1f}{'' if same[p, w] else ' DIFFERENT'}" for (p, w), us in paths.items())
         print(f"{name:22s} M={M:2d}: 16-bit floor {floor16:6.1f} us, table {bf16:6.1f}"
               f"{'' if cublas is None else f', cuBLAS {cublas:6.1f}'} | fp8 floor {floor8:6.1f}, table {fp8_table:6.1f}"
-              f" (paths {' / '.join(f'{us:.1f}' + ('' if same[p] else ' DIFFERENT') for p, us in paths.items())})"
+              f" (path/warps {variants})"
               f"{'' if best is None else f', best {best[0]:6.1f} {best[1]}'}", flush=True)
         del ws, q8
         torch.cuda.empty_cache()
