@@ -51,6 +51,7 @@ from .launch import _dot_precision
 
 MAX_ROWS = 16  # rows the kernel takes in one launch (one tensor-core tile); more rows take the composed path
 NORM_IN_KERNEL_BELOW = 2048  # K from which the norm is its own launch (see HAS_NORM in the module docstring)
+_REDUCE_BLOCK_N = 64  # output columns per program of the split-K reduce
 
 
 @dataclass(frozen=True)
@@ -62,12 +63,15 @@ class LinearConfig:
     num_warps: int = 4
     num_stages: int = 3
     fp8_path: int = 1  # a float8 weight's conversion to bfloat16 (``_from_fp8``'s PATH: 0, 1 or 2)
+    split_k: int = 1  # programs along K per output tile; > 1: float32 partials, then one reduce + epilogue launch
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"LinearConfig.{name} must be a power of two >= 16, got {value}")
+        if self.split_k < 1:
+            raise ValueError(f"LinearConfig.split_k must be >= 1, got {self.split_k}")
         if self.fp8_path not in (0, 1, 2):
             raise ValueError(f"LinearConfig.fp8_path must be 0, 1 or 2, got {self.fp8_path}")
         if self.num_warps < 1 or self.num_stages < 1:
@@ -147,11 +151,12 @@ def _fused_linear_kernel(
     G,  # (K,) RMSNorm weight       [HAS_NORM]
     RES,  # (M, N_OUT), stride(-1) == 1  [HAS_RES]
     Y,  # (M, N_OUT) contiguous, X's dtype
-    M, N_OUT, K,
+    WS,  # (SPLIT, BLOCK_M, N) float32 partial sums, gate columns then up columns with SWIGLU   [SPLIT > 1]
+    M, N_OUT, K, k_per,  # k_per: K per split, a multiple of BLOCK_K
     stride_xm, stride_wn, stride_rm,
     eps,
     HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, SWIGLU: tl.constexpr,
-    HAS_SCALE: tl.constexpr, FP8_PATH: tl.constexpr, EVEN_K: tl.constexpr,
+    HAS_SCALE: tl.constexpr, FP8_PATH: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -170,9 +175,9 @@ def _fused_linear_kernel(
         rstd = tl.rsqrt(ss / K + eps)
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if SWIGLU:
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    acc_up = acc  # the up columns' sums (SWIGLU only)
+    k_lo = tl.program_id(1) * k_per
+    for k0 in range(k_lo, tl.minimum(K, k_lo + k_per), BLOCK_K):
         rk = k0 + offs_k
         if EVEN_K:  # K a multiple of BLOCK_K (real model widths): the masks are loop-invariant, no per-step compares
             x_mask = m_ok[:, None]
@@ -199,6 +204,22 @@ def _fused_linear_kernel(
                 wu = _from_fp8(wu, x.dtype, FP8_PATH)
             acc_up = tl.dot(x, tl.trans(wu), acc_up, input_precision=DOT_PRECISION)
 
+    if SPLIT > 1:
+        ws_mask = m_ok[:, None] & n_ok[None, :]
+        ws = WS + tl.program_id(1) * BLOCK_M * N_OUT * (2 if SWIGLU else 1) + rm[:, None] * N_OUT * (2 if SWIGLU else 1)
+        tl.store(ws + rn[None, :], acc, mask=ws_mask)
+        if SWIGLU:
+            tl.store(ws + (N_OUT + rn)[None, :], acc_up, mask=ws_mask)
+    else:
+        _epilogue(acc, acc_up, rm, rn, m_ok, n_ok, SCALE, BIAS, RES, Y, N_OUT, stride_rm,
+                  HAS_BIAS, HAS_RES, SWIGLU, HAS_SCALE)
+
+
+@triton.jit
+def _epilogue(acc, acc_up, rm, rn, m_ok, n_ok, SCALE, BIAS, RES, Y, N_OUT, stride_rm,
+              HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SWIGLU: tl.constexpr, HAS_SCALE: tl.constexpr):
+    """The float32 sums of a [BLOCK_M, BLOCK_N] output tile -> Y: per-column float8 scale, bias, SwiGLU,
+    residual, each rounded where the unfused ops round."""
     DT = Y.dtype.element_ty
     if HAS_SCALE:
         acc *= tl.load(SCALE + rn, mask=n_ok, other=0.0)[None, :]
@@ -218,6 +239,31 @@ def _fused_linear_kernel(
         r = tl.load(RES + rm[:, None] * stride_rm + rn[None, :], mask=out_mask, other=0.0)
         y = (r.to(tl.float32) + y.to(tl.float32)).to(DT)
     tl.store(Y + rm[:, None] * N_OUT + rn[None, :], y, mask=out_mask)
+
+
+@triton.jit
+def _split_k_reduce_kernel(
+    WS, SCALE, BIAS, RES, Y,  # as in _fused_linear_kernel
+    M, N_OUT, stride_rm,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SWIGLU: tl.constexpr, HAS_SCALE: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Sum the SPLIT partial tiles in split order (deterministic: no atomics), then the epilogue."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    m_ok = rm < M
+    n_ok = rn < N_OUT
+    width = N_OUT * (2 if SWIGLU else 1)
+    mask = m_ok[:, None] & n_ok[None, :]
+    ws = WS + rm[:, None] * width + rn[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = acc
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(ws + s * BLOCK_M * width, mask=mask, other=0.0)
+        if SWIGLU:
+            acc_up += tl.load(ws + s * BLOCK_M * width + N_OUT, mask=mask, other=0.0)
+    _epilogue(acc, acc_up, rm, rn, m_ok, n_ok, SCALE, BIAS, RES, Y, N_OUT, stride_rm,
+              HAS_BIAS, HAS_RES, SWIGLU, HAS_SCALE)
 
 
 def _rows(t: Tensor, width: int) -> Tensor:
@@ -248,18 +294,30 @@ def fused_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], norm_weight:
         if config is None:
             config = default_config(n_out, K, _num_sms(x.device), bool(swiglu), weight.element_size())
         scale = weight_scale.contiguous() if weight_scale is not None else x2
-        _fused_linear_kernel[(triton.cdiv(n_out, config.block_n),)](
-            x2, weight, scale, bias if bias is not None else x2, norm_weight if norm_weight is not None else x2,
-            res2, out,
-            M, n_out, K, x2.stride(0), weight.stride(0), res2.stride(0), float(eps),
-            HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None, HAS_RES=residual is not None,
-            SWIGLU=bool(swiglu), HAS_SCALE=weight_scale is not None,
+        bias_arg = bias if bias is not None else x2
+        # K per split in whole BLOCK_K steps; the splits actually used (a tiny K may need fewer)
+        k_per = triton.cdiv(triton.cdiv(K, config.split_k), config.block_k) * config.block_k
+        split = triton.cdiv(K, k_per)
+        ws = (torch.empty((split, MAX_ROWS, N), dtype=torch.float32, device=x.device) if split > 1 else x2)
+        n_tiles = triton.cdiv(n_out, config.block_n)
+        flags = dict(HAS_BIAS=bias is not None, HAS_RES=residual is not None, SWIGLU=bool(swiglu),
+                     HAS_SCALE=weight_scale is not None)
+        _fused_linear_kernel[(n_tiles, split)](
+            x2, weight, scale, bias_arg, norm_weight if norm_weight is not None else x2,
+            res2, out, ws,
+            M, n_out, K, k_per, x2.stride(0), weight.stride(0), res2.stride(0), float(eps),
+            HAS_NORM=norm_weight is not None, **flags,
             FP8_PATH=config.fp8_path if x.device.type == "cuda" else min(config.fp8_path, 1),
-            EVEN_K=K % config.block_k == 0,
+            EVEN_K=K % config.block_k == 0, SPLIT=split,
             BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             DOT_PRECISION=_dot_precision(x.dtype),
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
+        if split > 1:
+            _split_k_reduce_kernel[(triton.cdiv(n_out, _REDUCE_BLOCK_N),)](
+                ws, scale, bias_arg, res2, out, M, n_out, res2.stride(0), **flags,
+                SPLIT=split, BLOCK_M=MAX_ROWS, BLOCK_N=_REDUCE_BLOCK_N, num_warps=4,
+            )
     return out.view(*x.shape[:-1], n_out)
 
 

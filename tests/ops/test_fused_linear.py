@@ -20,6 +20,7 @@ from .test_invariant_kernels import _row_local_dot  # noqa: E402,F401
 from .test_triton_kernels import DEVICE, DTYPES, INTERPRET, _interpreter_loop_bounds  # noqa: E402,F401
 
 SMALL = LinearConfig(block_n=16, block_k=16, num_warps=1, num_stages=1)  # many programs and K steps at toy sizes
+SPLIT = LinearConfig(block_n=16, block_k=16, num_warps=1, num_stages=1, split_k=3)  # K = 72: 32 + 32 + 8 keys
 FLOOR = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1e-5}  # where the same-precision reference is exact
 # (bias, norm, residual, swiglu): each fusion alone, all together, none
 FLAGS = [(False, False, False, False), (True, False, False, False), (False, True, False, False),
@@ -46,7 +47,7 @@ def _up(args):
 
 
 @pytest.mark.parametrize("flags", FLAGS, ids=FLAG_IDS)
-@pytest.mark.parametrize("config", [None, SMALL], ids=["table", "small"])
+@pytest.mark.parametrize("config", [None, SMALL, SPLIT], ids=["table", "small", "split"])
 @pytest.mark.parametrize("M", [1, 5, MAX_ROWS])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_kernel_within_twice_the_references_error(dtype, M, config, flags):
@@ -155,7 +156,7 @@ def _fp8_args(M, N, K, dtype, flags):
 
 
 @pytest.mark.parametrize("flags", FLAGS, ids=FLAG_IDS)
-@pytest.mark.parametrize("config", [None, SMALL], ids=["table", "small"])
+@pytest.mark.parametrize("config", [None, SMALL, SPLIT], ids=["table", "small", "split"])
 @pytest.mark.parametrize("M", [1, MAX_ROWS])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fp8_weight_within_twice_the_references_error(dtype, M, config, flags):
