@@ -4,8 +4,11 @@ A LongSpec draft level runs its block on the level's frontier (1, 4 or 16 rows p
 weight read: at Llama-3-8B shapes cuBLAS picks split-K for so few rows and adds a reduce kernel, and on a small
 model every launch is a few microseconds of fixed cost around almost no bytes. ``_fused_linear_kernel`` reads each
 weight row once for all (<= 16) rows of x: program ``p`` owns output columns ``[p * BLOCK_N, (p + 1) * BLOCK_N)``,
-streams their weight rows over K in ``BLOCK_K`` steps (no split of K, so no second kernel) and accumulates in
-float32 on the tensor cores. Around the GEMM, under constexpr flags:
+streams their weight rows over K in ``BLOCK_K`` steps and accumulates in float32 on the tensor cores. With
+``LinearConfig.split_k`` > 1, K is split over that many programs per tile, which store float32 partial sums, and
+``_split_k_reduce_kernel`` adds them in split order (deterministic, no atomics) and runs the epilogue: more
+programs in flight for narrow outputs (4096 columns are 128 programs of 32 rows: one warp per scheduler, where the
+float8 conversion's dependent instructions stall), for one more launch. Around the GEMM, under constexpr flags:
 
 * ``HAS_NORM``: x is RMS-normalised first (a first pass over x's rows for the mean square, then each K step is
   normalised as it is loaded), rounding like transformers' ``LlamaRMSNorm``: ``w * (x * rstd).to(x.dtype)``. Only
