@@ -14,7 +14,7 @@ both against the byte floor (weight + activations at the measured copy bandwidth
 ``--fp8``: instead, float8_e4m3fn weights with per-row scales (``fused_linear``'s ``weight_scale``) against the
 16-bit table launch and cuBLAS at the same shapes, over a grid of launches (the float8 rule in
 :func:`~longspec_ops.kernels.linear.default_config` is the table's ``fp8_table`` column), and the table launch with
-each float8 -> bfloat16 conversion (``LinearConfig.fp8_path``) at 4 and 8 warps (``--no-grid``: without the grid).
+more warps and K split over 2 or 4 programs (``--no-grid``: without the grid).
 
 Usage (GPU): ``python -m benchmarks.probe_skinny_gemm [--fusions-only | --fp8] [--out DIR]``. The kernel's values are
 tested in ``tests/ops/test_fused_linear.py``.
@@ -136,9 +136,8 @@ def probe_fusions(bw: float, M: int = 16) -> list[dict]:
 
 
 FP8_CONFIGS = [LinearConfig(n, k, 4, st) for n, k, st in itertools.product((32, 64), (128, 256, 512), (3, 4, 5))]
-# (fp8_path, num_warps, split_k) around the table launch; (0, 4, 1) is the launch before the float8 paths existed.
-# Each variant's bits are compared with path 0's at the same warps and split (the conversions are exact).
-FP8_VARIANTS = [(0, 4, 1), (1, 4, 1), (2, 4, 1), (1, 8, 1), (1, 4, 2), (1, 4, 4), (2, 4, 2), (2, 4, 4)]
+# (num_warps, split_k) around the table launch
+FP8_VARIANTS = [(4, 1), (8, 1), (4, 2), (4, 4)]
 FP8_SHAPES = SHAPES + [("8B gate/up + SwiGLU", 28672, 4096), ("pair gate/up + SwiGLU", 2048, 384)]
 
 
@@ -176,15 +175,11 @@ def probe_fp8(out_dir: str | None, grid: bool = True) -> list[dict]:
         cublas = None if swiglu else graph_calls_us(_rotating(lambda w: torch.mm(x, w.t()), ws), calls=32)
         table = default_config(n_out, K, sms, swiglu, weight_bytes=1)
         fp8_table = graph_calls_us(_rotating(lambda wq: run8(wq, table), q8), calls=32)
-        # the table launch with each float8 -> bfloat16 conversion (LinearConfig.fp8_path), and with more warps or
-        # K split over programs (LinearConfig.num_warps, split_k); keys (path, warps, split)
-        paths, same = {}, {}
-        for path, warps, split in FP8_VARIANTS:
-            cfg = dataclasses.replace(table, fp8_path=path, num_warps=warps, split_k=split)
-            # every path converts exactly, so with one split the products and the result are the same bits
-            base = dataclasses.replace(table, fp8_path=0, num_warps=warps, split_k=split)
-            same[path, warps, split] = torch.equal(run8(q8[0], cfg), run8(q8[0], base))
-            paths[path, warps, split] = graph_calls_us(_rotating(lambda wq, c=cfg: run8(wq, c), q8), calls=32)
+        # the table launch with more warps or K split over programs (LinearConfig.num_warps, split_k)
+        variants = {}
+        for warps, split in FP8_VARIANTS:
+            cfg = dataclasses.replace(table, num_warps=warps, split_k=split)
+            variants[warps, split] = graph_calls_us(_rotating(lambda wq, c=cfg: run8(wq, c), q8), calls=32)
         best = None
         for cfg in FP8_CONFIGS if K >= 2048 and grid else []:
             try:
@@ -201,17 +196,15 @@ def probe_fp8(out_dir: str | None, grid: bool = True) -> list[dict]:
         row = {"shape": name, "M": M, "N": N, "K": K, "floor16_us": floor16, "floor8_us": floor8,
                "cublas_us": cublas, "bf16_table_us": bf16, "fp8_table_us": fp8_table,
                "fp8_table_config": dataclasses.asdict(table),
-               **{f"fp8_path{p}_w{w}_s{k}_us": us for (p, w, k), us in paths.items()},
-               **{f"fp8_path{p}_w{w}_s{k}_same_bits": ok for (p, w, k), ok in same.items()},
+               **{f"fp8_w{w}_split{k}_us": us for (w, k), us in variants.items()},
                **{f"bf16_split{k}_us": us for k, us in split16.items()},
                "fp8_best_us": best[0] if best else None,
                "fp8_best_config": dataclasses.asdict(best[1]) if best else None}
         rows.append(row)
-        variants = " ".join(f"{p}/{w}/{k} {us:.1f}{'' if same[p, w, k] else ' DIFFERENT'}"
-                            for (p, w, k), us in paths.items())
+        shown = " ".join(f"{w}/{k} {us:.1f}" for (w, k), us in variants.items())
         print(f"{name:22s} M={M:2d}: 16-bit floor {floor16:6.1f} us, table {bf16:6.1f}"
               f"{'' if cublas is None else f', cuBLAS {cublas:6.1f}'} | fp8 floor {floor8:6.1f}, table {fp8_table:6.1f}"
-              f" (path/warps/split {variants}; 16-bit split 2 / 4 {split16.get(2, 0):.1f} / {split16.get(4, 0):.1f})"
+              f" (warps/split {shown}; 16-bit split 2 / 4 {split16.get(2, 0):.1f} / {split16.get(4, 0):.1f})"
               f"{'' if best is None else f', best {best[0]:6.1f} {best[1]}'}", flush=True)
         del ws, q8
         torch.cuda.empty_cache()

@@ -65,7 +65,6 @@ class LinearConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
-    fp8_path: int = 1  # a float8 weight's conversion to bfloat16 (``_from_fp8``'s PATH: 0, 1 or 2)
     split_k: int = 1  # programs along K per output tile; > 1: float32 partials, then one reduce + epilogue launch
 
     def __post_init__(self) -> None:
@@ -75,8 +74,6 @@ class LinearConfig:
                 raise ValueError(f"LinearConfig.{name} must be a power of two >= 16, got {value}")
         if self.split_k < 1:
             raise ValueError(f"LinearConfig.split_k must be >= 1, got {self.split_k}")
-        if self.fp8_path not in (0, 1, 2):
-            raise ValueError(f"LinearConfig.fp8_path must be 0, 1 or 2, got {self.fp8_path}")
         if self.num_warps < 1 or self.num_stages < 1:
             raise ValueError(f"LinearConfig.num_warps and num_stages must be >= 1, got {self.num_warps}, "
                              f"{self.num_stages}")
@@ -94,7 +91,9 @@ def default_config(n_out: int, k: int, num_sms: int = 132, swiglu: bool = False,
     K = 1024, else 128; 3 stages. A 1-byte (float8) weight at wide K (``probe_skinny_gemm --fp8``, H100,
     probe_skinny_gemm_fp8.json): 256-element K steps over 64 rows a program when there are more than 1.5 waves of
     programs (LM head 52.7 us, best 52.1; gate/up + SwiGLU 51.2, best 50.2), else 32 rows in 512-element steps with 4
-    stages, the best launch of q/k/v (16.2 us against 20.5 for the 64-row rule), o_proj and down_proj.
+    stages, the best launch of q/k/v (16.2 us against 20.5 for the 64-row rule), o_proj and down_proj; from K = 8192
+    (down_proj) that launch with K split in two (H200: 21.5 us against 25.0; two splits did not help o_proj or
+    q/k/v, four were slower, and no split helped a 16-bit weight).
     """
     per_row = 2 if swiglu else 1
     if k >= 2048:
@@ -102,46 +101,22 @@ def default_config(n_out: int, k: int, num_sms: int = 132, swiglu: bool = False,
         if triton.cdiv(n_out * per_row, 64) > 1.5 * num_sms:
             return LinearConfig(rows // per_row, 256 if weight_bytes == 1 else 128, 4, 3)
         if weight_bytes == 1:
-            return LinearConfig(32 // per_row, 512, 4, 4)
+            return LinearConfig(32 // per_row, 512, 4, 4, split_k=2 if k >= 8192 else 1)
         return LinearConfig(rows // per_row, 256 if rows == 32 else 128, 4, 5)
     return LinearConfig(max(16, (16 if n_out <= 1024 else 32) // per_row), 512 if k >= 1024 else 128, 4, 3)
 
 
-# e4m3 bytes -> bf16 pairs by bit moves (CUTLASS's trick): each byte to the top of a 16-bit lane (prmt), its
-# exponent and mantissa moved down 4 bits under the sign (a bf16 of value w * 2^-120, subnormals and zero included),
-# then one packed multiply by 2^120 (exact: a power of two, no overflow). All on the integer and FMA pipes.
-_E4M3_TO_BF16_ASM = tl.constexpr("""{
-.reg .b32 a, b, m, c;
-prmt.b32 a, $2, 0, 0x1404;
-prmt.b32 b, $2, 0, 0x3424;
-mov.b32 c, 0x7B807B80;
-and.b32 m, a, 0x7F007F00;
-shr.b32 m, m, 4;
-and.b32 a, a, 0x80008000;
-or.b32 a, a, m;
-and.b32 m, b, 0x7F007F00;
-shr.b32 m, m, 4;
-and.b32 b, b, 0x80008000;
-or.b32 b, b, m;
-mul.rn.bf16x2 $0, a, c;
-mul.rn.bf16x2 $1, b, c;
-}""")
-
-
 @triton.jit
-def _from_fp8(w, dtype: tl.constexpr, PATH: tl.constexpr):
-    """A float8_e4m3fn tile in ``dtype`` (exact: every e4m3 value is a normal float16 and a bfloat16). PATH (to
-    bfloat16; float16 always converts directly): 0 Triton's conversion, which on sm_90 goes e4m3 -> f16 (one
-    packed instruction a pair) and then f16 -> bf16 one element at a time on the slow conversion unit (F2F: 128
-    per thread and 512-element K step at 32 rows a program); 1 through float32 (f16 -> f32 on the FMA pipe, a
-    packed f32 -> bf16 pair); 2 bit moves and a packed multiply (``_E4M3_TO_BF16_ASM``; sm_90 PTX, so never
-    under the interpreter, where it falls back to PATH 1)."""
+def _from_fp8(w, dtype: tl.constexpr):
+    """A float8_e4m3fn tile in ``dtype``, exactly (every e4m3 value is a normal float16 and a bfloat16). To bfloat16
+    through float16 and float32: e4m3 -> f16 is one packed instruction a pair, f16 -> f32 runs on the FMA pipe and
+    f32 -> bf16 packs a pair, while Triton 3.6's direct conversion on sm_90 goes e4m3 -> f16 and then f16 -> bf16
+    one element at a time on the conversion unit (F2F: 128 per thread and 512-element K step at 32 rows a
+    program). On an H200 at M = 16 (``probe_skinny_gemm --fp8``, 2026-12-05): gate/up 48.9 -> 34.6 us, the 32k head
+    48.6 -> 36.1, down 32.3 -> 25.0, q/k/v 16.1 -> 13.1, o_proj 12.1 -> 10.4. Byte moves + a packed bf16 multiply
+    by 2^120 (CUTLASS's trick, inline PTX) measured 2-9% slower than this and were dropped."""
     if dtype == tl.bfloat16:
-        if PATH == 1:
-            return w.to(tl.float16).to(tl.float32).to(tl.bfloat16)
-        if PATH == 2:
-            return tl.inline_asm_elementwise(_E4M3_TO_BF16_ASM, "=r,=r,r", [w.to(tl.uint8, bitcast=True)],
-                                             dtype=tl.bfloat16, is_pure=True, pack=4)
+        return w.to(tl.float16).to(tl.float32).to(tl.bfloat16)
     return w.to(dtype)
 
 
@@ -159,7 +134,7 @@ def _fused_linear_kernel(
     stride_xm, stride_wn, stride_rm,
     eps,
     HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, SWIGLU: tl.constexpr,
-    HAS_SCALE: tl.constexpr, FP8_PATH: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_SCALE: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -199,12 +174,12 @@ def _fused_linear_kernel(
             x = (g[None, :] * xn.to(tl.float32)).to(x.dtype)  # ... and after the weight
         w = tl.load(W + rn[:, None] * stride_wn + rk[None, :], mask=w_mask, other=0.0)
         if HAS_SCALE:
-            w = _from_fp8(w, x.dtype, FP8_PATH)
+            w = _from_fp8(w, x.dtype)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
         if SWIGLU:
             wu = tl.load(W + (rn + N_OUT)[:, None] * stride_wn + rk[None, :], mask=w_mask, other=0.0)
             if HAS_SCALE:
-                wu = _from_fp8(wu, x.dtype, FP8_PATH)
+                wu = _from_fp8(wu, x.dtype)
             acc_up = tl.dot(x, tl.trans(wu), acc_up, input_precision=DOT_PRECISION)
 
     if SPLIT > 1:
@@ -310,7 +285,6 @@ def fused_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], norm_weight:
             res2, out, ws,
             M, n_out, K, k_per, x2.stride(0), weight.stride(0), res2.stride(0), float(eps),
             HAS_NORM=norm_weight is not None, **flags,
-            FP8_PATH=config.fp8_path if x.device.type == "cuda" else min(config.fp8_path, 1),
             EVEN_K=K % config.block_k == 0, SPLIT=split,
             BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             DOT_PRECISION=_dot_precision(x.dtype),

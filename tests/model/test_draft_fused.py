@@ -64,14 +64,15 @@ def _check_phases(draft, plain_model, truth, device, dtype, rows, seed, bitwise_
         assert err <= 2 * ref_err + floor, (name, err, ref_err)
 
 
-def _dequantized_copy(draft: LongSpecDraft, dtype: torch.dtype) -> LongSpecDraft:
-    """A copy of ``draft`` (and of its target's LM head) in ``dtype`` whose every drafting weight is the float8
-    copy's dequantized value ``w8 * scale``: the block the float8 drafting path computes."""
+def _dequantized_copy(draft: LongSpecDraft, dtype: torch.dtype, device="cpu") -> LongSpecDraft:
+    """A copy of ``draft`` (and of its target's LM head) in ``dtype`` on ``device`` whose every drafting weight is
+    the float8 copy's dequantized value ``w8 * scale``: the block the float8 drafting path computes. (The target
+    is made on ``device``: a draft's ``.to`` does not move the target it is bound to.)"""
     fp8 = draft._packed.fp8.weights
-    deq = {name: (w8.double() * s.double()[:, None]).to(dtype) for name, (w8, s) in fp8.items()}
-    target = tiny_target("llama", (4, 2), hidden=64, vocab=160).to(dtype)
+    deq = {name: (w8.double() * s.double()[:, None]).to(device, dtype) for name, (w8, s) in fp8.items()}
+    target = tiny_target("llama", (4, 2), hidden=64, vocab=160).to(device, dtype)
     copy = LongSpecDraft.from_target(target)
-    copy.load_state_dict({k: v.to(dtype) for k, v in draft.state_dict().items()})
+    copy.load_state_dict({k: v.to(device, dtype) for k, v in draft.state_dict().items()})
     with torch.no_grad():
         sa, mlp, d = copy.self_attn, copy.mlp, copy.config.head_dim
         q, k, v = deq["qkv"].split([sa.num_heads * d, sa.num_kv_heads * d, sa.num_kv_heads * d])
@@ -97,7 +98,7 @@ def test_fp8_drafting_path_is_the_block_with_dequantized_weights(device, dtype, 
     draft = draft.to(device, dtype).pack_for_drafting(torch.float8_e4m3fn)
     assert draft._packed.fp8 is not None and draft._packed.fp8.weights["gate_up"][0].dtype == torch.float8_e4m3fn
     truth = _dequantized_copy(draft, torch.float64)
-    same = _dequantized_copy(draft, dtype).to(device)
+    same = _dequantized_copy(draft, dtype, device)
     _check_phases(draft, same, truth, device, dtype, rows, seed=4, bitwise_on_cpu=False)
 
 
