@@ -59,8 +59,9 @@ Long-context mode at h200 (from the shipped pair, trained on 8k windows): 230 s 
 the steps on 32k x 2 windows, then 64k x 1, peak LR 5e-4; RoPE base 1e6 -> 8.55e6 (NTK scaling for 8k -> 64k),
 max_position_embeddings 131072; drafts on 32k x 1 windows with KL weight 1 for 120 s each; stage ``short`` 45 s
 per variant on 1024 x 32 windows. ``h200-deep`` (issue 33): hidden 256, 16 layers, 4 / 2 heads, MLP 896 (16.3M
-parameters), rope_theta 1e7 and 131072 positions; 360 s of target training of which the last tenth of the steps are
-64k x 1 windows; the draft on 32k x 1 windows with KL weight 1 for 300 s. (The shipped pair,
+parameters), rope_theta 1e7 and 131072 positions; 440 s of target training whose windows grow (``target_windows``:
+60% of the steps on 2k x 32, 30% 8k x 8, 7% 32k x 2, 3% 64k x 1); the draft on 32k x 1 windows with KL weight 1
+for 420 s. (The shipped pair,
 ``benchmarks/results/h200/recipe.json``, predates the
 long-window quarter and this mode: its target saw 8k windows only, and its tau falls beyond 8k.)
 """

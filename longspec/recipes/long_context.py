@@ -41,9 +41,9 @@ def ntk_rope_theta(theta: float, trained_len: int, new_len: int, head_dim: int) 
     return float(theta * (new_len / trained_len) ** (head_dim / (head_dim - 2)))
 
 
-def parse_windows(spec: str) -> tuple[Window, ...]:
+def parse_windows(spec: str, name: str = "long_windows") -> tuple[Window, ...]:
     """``"32768x2:0.75,65536x1:0.25"`` -> ((32768, 2, 0.75), (65536, 1, 0.25)): windows of SEQ tokens, BATCH per
-    step, for SHARE of the steps, in order. The shares must sum to 1."""
+    step, for SHARE of the steps, in order. The shares must sum to 1; errors name the field ``name``."""
     out = []
     for part in spec.split(","):
         try:
@@ -51,13 +51,13 @@ def parse_windows(spec: str) -> tuple[Window, ...]:
             seq, batch = size.lower().split("x")
             window = (int(seq), int(batch), float(share))
         except ValueError:
-            raise ValueError(f"long_windows: expected SEQxBATCH:SHARE[,...] (e.g. 32768x2:0.75,65536x1:0.25), "
+            raise ValueError(f"{name}: expected SEQxBATCH:SHARE[,...] (e.g. 32768x2:0.75,65536x1:0.25), "
                              f"got {part.strip()!r}") from None
         if window[0] < 2 or window[1] < 1 or not 0 < window[2] <= 1:
-            raise ValueError(f"long_windows: {part.strip()!r} needs SEQ >= 2, BATCH >= 1 and 0 < SHARE <= 1")
+            raise ValueError(f"{name}: {part.strip()!r} needs SEQ >= 2, BATCH >= 1 and 0 < SHARE <= 1")
         out.append(window)
     if abs(sum(w[2] for w in out) - 1) > 1e-6:
-        raise ValueError(f"long_windows: the shares must sum to 1, got {sum(w[2] for w in out):g} in {spec!r}")
+        raise ValueError(f"{name}: the shares must sum to 1, got {sum(w[2] for w in out):g} in {spec!r}")
     return tuple(out)
 
 

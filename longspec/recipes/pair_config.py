@@ -73,6 +73,9 @@ class Scale:
     tau_prompts: int
     tau_new_tokens: int
     draft_kl_weight: float = 0.0  # the from-scratch drafts' KL term (long-context mode: long_draft_kl_weight)
+    # the from-scratch target's window phases (SEQ, BATCH, share of the steps), in order; None: target_seq x
+    # target_batch, then the last target_long_ratio of the steps on target_long_seq windows
+    target_windows: tuple[Window, ...] | None = None
 
 
 SCALES = {
@@ -103,21 +106,24 @@ SCALES = {
                   short_eval_windows=4, tau_prompts=2, tau_new_tokens=128),
 }
 # Issue 33's deeper pair, shaped like real targets (a one-block draft against 16 layers, not 8): 16.3M target
-# parameters (target + draft + tokenizer in bf16 under SHIP_LIMIT_BYTES), RoPE base for 128k positions, the last
-# tenth of the target's steps on 64k windows; its draft on 32k windows with the KL term. The rest as h200, with
-# budgets that leave each device call room for its other work.
+# parameters (target + draft + tokenizer in bf16 under SHIP_LIMIT_BYTES), RoPE base for 128k positions; its draft
+# on 32k windows with the KL term. The target's windows grow as long-context models' do: 60% of the steps on 2k
+# windows (attention is most of an 8k step's time at hidden 256: a 2k step of the same 65k tokens costs about half),
+# then 8k, 32k and 64k (the first deep run spent 10% of its steps, 39% of its time, on 64k windows). The rest as
+# h200, with budgets that leave each device call room for its other work.
 SCALES["h200-deep"] = dataclasses.replace(
     SCALES["h200"], name="h200-deep", hidden=256, intermediate=896, layers=16, heads=4, kv_heads=2,
     max_positions=131072, rope_theta=10_000_000.0, target_long_seq=65536, target_long_ratio=0.1,
-    target_steps=20000, target_seconds=360.0, draft_seq=32768, draft_batch=1, draft_steps=20000,
-    draft_seconds=300.0, draft_kl_weight=1.0, long_steps=20000, long_seconds=420.0)
+    target_windows=((2048, 32, 0.6), (8192, 8, 0.3), (32768, 2, 0.07), (65536, 1, 0.03)),
+    target_steps=20000, target_seconds=440.0, draft_seq=32768, draft_batch=1, draft_steps=20000,
+    draft_seconds=420.0, draft_kl_weight=1.0, long_steps=20000, long_seconds=420.0)
 STAGES = ("data", "target", "drafts", "short")
 DEFAULT_STAGES = ("data", "target", "drafts")
 
 
 def scale_with(s: Scale, assignments: Sequence[str]) -> Scale:
     """``s`` with ``FIELD=VALUE`` assignments applied (``--set``): numbers, ``none`` for an optional budget,
-    ``long_windows`` as ``SEQxBATCH:SHARE,...`` and the context tuples as ``N,N,...``."""
+    ``long_windows`` / ``target_windows`` as ``SEQxBATCH:SHARE,...`` and the context tuples as ``N,N,...``."""
     fields = {f.name: f for f in dataclasses.fields(Scale)}
     changes = {}
     for item in assignments:
@@ -127,12 +133,12 @@ def scale_with(s: Scale, assignments: Sequence[str]) -> Scale:
                              f"({', '.join(n for n in fields if n != 'name')}), got {item!r}")
         current = getattr(s, name)
         try:
-            if name == "long_windows":
-                value = parse_windows(text)
+            if text.lower() == "none" and "None" in str(fields[name].type):
+                value = None
+            elif name in ("long_windows", "target_windows"):
+                value = parse_windows(text, name)
             elif isinstance(current, tuple):
                 value = tuple(int(x) for x in text.split(","))
-            elif text.lower() == "none" and "None" in str(fields[name].type):
-                value = None
             elif isinstance(current, bool):
                 value = {"true": True, "false": False}[text.lower()]
             elif isinstance(current, int) or (current is None and "int" in str(fields[name].type)):

@@ -84,6 +84,8 @@ def long_window(s: Scale) -> tuple[int, int]:
 
 
 def scratch_run(s: Scale) -> TargetRun:
+    if s.target_windows is not None:
+        return TargetRun(tuple(tuple(w) for w in s.target_windows), s.target_lr, s.target_warmup_ratio)
     seq, batch = long_window(s)
     return TargetRun(((s.target_seq, s.target_batch, 1 - s.target_long_ratio), (seq, batch, s.target_long_ratio)),
                      s.target_lr, s.target_warmup_ratio)
@@ -234,11 +236,11 @@ def _stage_target(r: _Recipe, target_steps: int | None) -> None:
     target = target.to(torch.bfloat16).eval()
     entry = {"dir": r.target_dir, "params": sum(p.numel() for p in target.parameters()), "steps": steps,
              "probe_step_s": step_s, "saved_dtype": "bfloat16", "tokens_seen": window_tokens(run.windows, steps),
+             "windows": [list(w) for w in run.windows], "steps_per_window": phase_steps(run.windows, steps),
              "loss": _loss_summary(history, s.log_every),
              "heldout_loss": eval_loss(target, held, s, dev) if held is not None else None}
     if r.long:
-        entry.update(init_from=record["init"]["target"]["dir"], windows=[list(w) for w in run.windows],
-                     steps_per_window=phase_steps(run.windows, steps), lr=run.lr,
+        entry.update(init_from=record["init"]["target"]["dir"], lr=run.lr,
                      rope_theta={"from": record["init"]["target"]["rope_theta"], "to": theta,
                                  "rule": f"NTK: theta * ({s.long_to_seq}/{s.long_from_seq}) ** (d / (d - 2)), "
                                          f"d = head_dim {record['init']['target']['head_dim']}"},
