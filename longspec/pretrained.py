@@ -1,9 +1,10 @@
 """The project's own trained target/draft pair, shipped inside the package (``longspec/assets/code-pair``).
 
-A Llama-architecture target (15.7M parameters, 8 layers, hidden 384, 6 query / 2 KV heads, tied embeddings,
-rope_theta 1e6) trained from scratch on the Python source installed on an H200 machine, with a byte-level BPE
-tokenizer (vocab 8192), and its LongSpec draft, both in bfloat16 (36 MB in all). ``longspec/recipes/code_pair.py``
-made them (``pair.json`` beside the weights summarises the run). The split into training and held-out packages is
+A Llama-architecture target (16.3M parameters, 16 layers, hidden 256, 4 query / 2 KV heads, tied embeddings,
+rope_theta 1e7, 131072 positions) trained from scratch on the Python source installed on a GPU machine, with a
+byte-level BPE tokenizer (vocab 8192), and its LongSpec draft, both in bfloat16 (35 MB in all).
+``python -m longspec.recipes.code_pair --scale h200-deep`` made them (``pair.json`` beside the weights summarises
+the run; the full record with its loss curves is ``benchmarks/results/h100/recipe_deep.json``). The split into training and held-out packages is
 by package name (:func:`longspec.train.corpus.is_heldout`), so held-out prompts can be rebuilt on any machine from
 the held-out packages of its own standard library (:func:`heldout_stdlib_prompt`).
 

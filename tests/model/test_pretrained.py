@@ -18,7 +18,7 @@ def test_the_pair_ships_in_under_40_mb_and_loads(pair):
     total = sum(f.stat().st_size for f in PAIR_DIR.rglob("*") if f.is_file())
     assert total <= 40e6, total
     cfg = pair.target.config
-    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size) == (384, 8, 8192)
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size) == (256, 16, 8192)
     assert len(pair.tokenizer) == cfg.vocab_size and pair.tokenizer.eos_token_id == 0
     # the draft borrows the target's embedding and LM head: its own weights are one block (and the fc)
     assert all(cfg.vocab_size not in p.shape for p in pair.draft.parameters())
@@ -47,7 +47,7 @@ def test_the_trained_draft_is_exact_and_accepts_on_heldout_code(pair):
         ids, 40, eos_token_id=[])
     assert torch.equal(plain.sequences, spec.sequences)
     # A trained draft, unlike a random one, gets tokens accepted (tau 3-4 on held-out code at 4k-8k on the H200).
-    assert spec.stats.tau > 1.3, spec.stats.tau  # 3.25 here (wsgiref); an untrained draft gives about 1
+    assert spec.stats.tau > 1.3, spec.stats.tau  # 2.6 here (wsgiref); an untrained draft gives about 1
 
 
 def test_missing_pair_is_a_clear_error(tmp_path):
