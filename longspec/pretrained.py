@@ -4,9 +4,9 @@ A Llama-architecture target (16.3M parameters, 16 layers, hidden 256, 4 query / 
 rope_theta 1e7, 131072 positions) trained from scratch on the Python source installed on a GPU machine, with a
 byte-level BPE tokenizer (vocab 8192), and its LongSpec draft, both in bfloat16 (35 MB in all).
 ``python -m longspec.recipes.code_pair --scale h200-deep`` made them (``pair.json`` beside the weights summarises
-the run; the full record with its loss curves is ``benchmarks/results/h100/recipe_deep.json``). The split into training and held-out packages is
-by package name (:func:`longspec.train.corpus.is_heldout`), so held-out prompts can be rebuilt on any machine from
-the held-out packages of its own standard library (:func:`heldout_stdlib_prompt`).
+the run; the full record with its loss curves is ``benchmarks/results/h100/recipe_deep.json``). The split into
+training and held-out packages is by package name (:func:`longspec.train.corpus.is_heldout`), so held-out prompts
+can be rebuilt on any machine from the held-out packages of its own standard library (:func:`heldout_stdlib_prompt`).
 
 Where the pair is after any install (a clone or site-packages): :func:`pair_path`, or from a shell
 ``python -m longspec.pretrained target`` (``draft``, or nothing for the pair's directory), e.g.

@@ -55,13 +55,13 @@ vocab 8192; target hidden 384, 8 layers, 6 heads / 2 KV heads (head dim 64), MLP
 15.7M parameters, 31 MB in bf16, so that target + draft + tokenizer ship in under 40 MB), rope_theta 1e6,
 max_position_embeddings 65536 (32k prompts plus generation fit); target seq 8192 x batch 8 for 300 s, of which the
 last quarter of the steps train on 32k-token windows (batch 2); each draft seq 8192 x batch 4 for 120 s.
-Long-context mode at h200 (from the shipped pair, trained on 8k windows): 230 s of continuation, three quarters of
+Long-context mode at h200 (from the old 8-layer pair, trained on 8k windows): 230 s of continuation, three quarters of
 the steps on 32k x 2 windows, then 64k x 1, peak LR 5e-4; RoPE base 1e6 -> 8.55e6 (NTK scaling for 8k -> 64k),
 max_position_embeddings 131072; drafts on 32k x 1 windows with KL weight 1 for 120 s each; stage ``short`` 45 s
 per variant on 1024 x 32 windows. ``h200-deep`` (issue 33): hidden 256, 16 layers, 4 / 2 heads, MLP 896 (16.3M
 parameters), rope_theta 1e7 and 131072 positions; 440 s of target training whose windows grow (``target_windows``:
 60% of the steps on 2k x 32, 30% 8k x 8, 7% 32k x 2, 3% 64k x 1); the draft on 32k x 1 windows with KL weight 1
-for 420 s. (The shipped pair,
+for 420 s; the shipped pair since 2026-12-05. (The old 8-layer pair,
 ``benchmarks/results/h200/recipe.json``, predates the
 long-window quarter and this mode: its target saw 8k windows only, and its tau falls beyond 8k.)
 """

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from longspec.recipes.code_pair import SCALES, export_pair, main, run_recipe, scale_with
-from longspec.recipes.pair_target import scratch_run
 from longspec.recipes.long_context import (block_sample, draft_heldout_loss, ntk_rope_theta, parse_windows,
                                            phase_steps, steps_to_equal_loss, window_tokens)
+from longspec.recipes.pair_target import scratch_run
 from longspec.train.corpus import iter_records
 
 
@@ -50,7 +50,8 @@ def test_scale_overrides_name_the_field_and_reject_bad_values():
     deep = scale_with(SCALES["h200-deep"], ["target_windows=2048x4:0.5,8192x1:0.5"])
     assert scratch_run(deep).windows == ((2048, 4, 0.5), (8192, 1, 0.5))
     assert scratch_run(scale_with(deep, ["target_windows=none"])).windows == ((8192, 8, 0.9), (65536, 1, 0.1))
-    for bad, word in [("target_windows=2048x4:0.5", "target_windows"), ("nope=1", "scale field"), ("long_steps", "FIELD=VALUE"), ("long_steps=many", "long_steps"),
+    for bad, word in [("target_windows=2048x4:0.5", "target_windows: the shares"), ("nope=1", "scale field"),
+                      ("long_steps", "FIELD=VALUE"), ("long_steps=many", "long_steps"),
                       ("long_windows=1:1", "long_windows"), ("name=x", "FIELD=VALUE")]:
         with pytest.raises(ValueError, match=word):
             scale_with(SCALES["h200"], [bad])
