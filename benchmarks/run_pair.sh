@@ -7,12 +7,14 @@
 #   phase 1: build the extension and run the engine's GPU tests (background); recipe stages data + target.
 #   phase 2: recipe stage drafts (main + the two ablations), export of the shippable pair.
 #   phase 3: end-to-end benchmark, the pair's round costs.
+#   phase cont: the draft trained on from INIT_DRAFT (default the shipped one) against the shipped target, unchanged
+#     (long-context mode with long_steps=0: one more warm-up + cosine schedule of draft_seconds); returns its export.
 # Knobs: SCALE (h200; h200-deep: issue 33's deeper pair; tiny: a CPU rehearsal), TESTS=0 (phase 1 without the build
 # and the engine tests), ABLATIONS=0 (phase 2: the main draft only), RECIPE_TIMEOUT (seconds), E2E_ARGS (phase 3's
 # bench_e2e arguments after --pair, instead of the default contexts and prompts).
-# Usage: bash benchmarks/run_pair.sh 1|2|3
+# Usage: bash benchmarks/run_pair.sh 1|2|3|cont
 set -uo pipefail
-phase=${1:?usage: run_pair.sh 1|2|3}
+phase=${1:?usage: run_pair.sh 1|2|3|cont}
 OUT=${OUT:-$PWD/gpu-out}
 PAIR=${PAIR_DIR:-/tmp/pair}
 SCALE=${SCALE:-h200}
@@ -72,6 +74,17 @@ case $phase in
   elapsed "e2e done"
   timeout 200 python3 -m benchmarks.bench_step_latency --models pair --out "$OUT" 2>&1 | grep -v "^{" | tail -12
   elapsed "step latency done"
+  ;;
+cont)
+  INIT_DRAFT=${INIT_DRAFT:-longspec/assets/code-pair/draft}
+  read -ra cont_set <<< "${CONT_SET:-}"
+  timeout "${RECIPE_TIMEOUT:-560}" python3 -m longspec.recipes.code_pair --out "$PAIR" --scale "$SCALE" \
+    --init-target longspec/assets/code-pair/target --init-draft "$INIT_DRAFT" --stages target drafts \
+    --set long_steps=0 --set long_from_seq=131072 --set long_to_seq=131072 "${cont_set[@]}" \
+    --export "$PAIR/export" > "$OUT/recipe_cont.log" 2>&1
+  elapsed "recipe draft continuation exit $?"; grep -v "Writing model\|Loading weights" "$OUT/recipe_cont.log" | tail -8
+  cp "$PAIR/recipe.json" "$OUT/recipe_cont.json"
+  (cd "$PAIR" && tar -cf - export/draft export/pair.json) | split -b 15m - "$OUT/cont.tar."
   ;;
 esac
 elapsed "phase $phase done"

@@ -47,7 +47,8 @@ cosine; the chosen counts are in ``recipe.json`` and ``--target-steps`` / ``--dr
 (``--target-steps`` counts the continuation's steps in long-context mode). ``--set FIELD=VALUE`` changes one
 field of the scale (``--set long_seconds=200``, ``--set long_windows=32768x2:1``; ``none`` for no budget;
 ``long_from_seq`` equal to ``long_to_seq`` continues a target already trained for that context at its own RoPE
-base, e.g. the h200-deep target); the
+base, e.g. the h200-deep target; ``long_steps=0`` adopts the init target unchanged, so that ``--init-draft``
+continues a draft against the target it was trained for); the
 changed scale is recorded, and a directory only resumes under the scale it was started with.
 
 Scales. ``tiny``: seconds on a CPU (seq 256, a handful of steps): it tests the pipeline, not the model. ``h200``:

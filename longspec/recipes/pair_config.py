@@ -52,7 +52,7 @@ class Scale:
     long_from_seq: int  # the init target's training window (the RoPE base is rescaled from it ...)
     long_to_seq: int  # ... to this context: the longest window, and the drafts' anchor-offset reach
     long_windows: tuple[Window, ...]  # the continuation's phases: (seq, batch, share of the steps), in order
-    long_steps: int
+    long_steps: int  # 0: no continuation, the init target as it is (drafts trained on against a final target)
     long_seconds: float | None
     long_lr: float
     long_warmup_ratio: float

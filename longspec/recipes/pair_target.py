@@ -197,6 +197,9 @@ def eval_by_context(model, tokens: np.ndarray, s: Scale, device: torch.device) -
 
 def _stage_target(r: _Recipe, target_steps: int | None) -> None:
     s, record, dev = r.s, r.record, r.dev
+    if r.long and s.long_steps == 0:  # no training: neither the token file nor stage data is needed
+        _adopt_init_target(r)
+        return
     if not os.path.isfile(r.tokens_file):
         raise ValueError(f"stage 'target' needs the token file {r.tokens_file}: run stage 'data' into {r.out} first")
     tokenizer = _tokenizer(r)
@@ -253,6 +256,35 @@ def _stage_target(r: _Recipe, target_steps: int | None) -> None:
     record["target"] = entry
     target.save_pretrained(r.target_dir)
     tokenizer.save_pretrained(r.target_dir)
+    del target
+    r.lap("target")
+
+
+def _adopt_init_target(r: _Recipe) -> None:
+    """Long-context mode with ``long_steps`` 0: the init target is the recipe's target as it is (its files, RoPE
+    base and positions unchanged), so the drafts can go on training against a target that is final."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    s, record, dev = r.s, r.record, r.dev
+    init = record["init"]["target"]
+    os.makedirs(r.target_dir, exist_ok=True)
+    for name in os.listdir(r.init_target):
+        if os.path.isfile(os.path.join(r.init_target, name)):
+            shutil.copy2(os.path.join(r.init_target, name), r.target_dir)
+    held = r.held_tokens(_tokenizer(r))
+    target = AutoModelForCausalLM.from_pretrained(r.target_dir, dtype=torch.bfloat16).to(dev).eval()
+    by_context = eval_by_context(target, held, s, dev) if held is not None else None
+    init.setdefault("heldout_loss", by_context)
+    record["target"] = {"dir": r.target_dir, "params": sum(p.numel() for p in target.parameters()), "steps": 0,
+                        "adopted": True, "init_from": init["dir"], "tokens_seen": 0, "windows": [],
+                        "steps_per_window": [], "loss": {"first": None, "last": None, "every": s.log_every,
+                                                         "curve": []},
+                        "rope_theta": {"from": init["rope_theta"], "to": init["rope_theta"], "rule": "unchanged"},
+                        "max_position_embeddings": init["max_position_embeddings"],
+                        "heldout_loss": eval_loss(target, held, s, dev) if held is not None else None,
+                        "heldout_loss_by_context": by_context}
     del target
     r.lap("target")
 

@@ -294,3 +294,32 @@ def test_deep_scale_is_shaped_like_real_targets_and_fits_the_package():
     weights = 2 * sum(p.numel() for m in (target, draft) for p in m.parameters())
     tokenizer = sum(f.stat().st_size for f in pair_path("target").glob("tokenizer*"))
     assert weights + tokenizer <= SHIP_LIMIT_BYTES
+
+
+def test_long_steps_zero_adopts_the_init_target_and_continues_the_draft(base_pair, fake_site, tmp_path):
+    """long_steps=0 (a draft continued against its final target, over several device calls): the recipe's target
+    is the init target byte for byte (its tokenizer too), at its own RoPE base, without stage data's token file, and
+    the draft starts from --init-draft."""
+    from safetensors.torch import load_file
+
+    from longspec import LongSpecDraft
+
+    s = scale_with(SCALES["tiny"], ["long_steps=0"])
+    out = tmp_path / "adopt"
+    rec = run_recipe(str(out), s, roots=fake_site, device="cpu", stages=("target", "drafts"),
+                     init_target=str(base_pair / "target"), init_draft=str(base_pair / "init_draft"))
+    assert not (out / "corpus" / "train.u16").exists()  # nothing trains on the target's token file
+    init, got = load_file(base_pair / "target" / "model.safetensors"), load_file(out / "target" / "model.safetensors")
+    assert init.keys() == got.keys() and all(torch.equal(init[k], got[k]) for k in init)
+    t = rec["target"]
+    assert t["adopted"] and t["steps"] == 0 and t["rope_theta"]["to"] == rec["init"]["target"]["rope_theta"]
+    assert set(t["heldout_loss_by_context"]) == set(rec["init"]["target"]["heldout_loss"]) == {"256", "1024"}
+    assert rec["draft"]["run"]["init"] == str(base_pair / "init_draft") and rec["draft"]["steps"] == s.draft_steps
+    summary = export_pair(str(out), str(tmp_path / "ship"))
+    assert summary["target"]["steps"] == 0 and summary["init"]["draft"]["sha256"]
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(tmp_path / "ship" / "target", dtype=torch.float32)
+    trained = LongSpecDraft.from_pretrained(tmp_path / "ship" / "draft", target=target)
+    norm = trained.input_layernorm.weight.float()
+    torch.testing.assert_close(norm, torch.full_like(norm, 0.5), atol=0.05, rtol=0)  # from the init draft
