@@ -9,7 +9,8 @@
 #   phase 3: end-to-end benchmark, the pair's round costs.
 #   phase cont: the draft trained on from INIT_DRAFT (default the shipped one) against the shipped target, unchanged
 #     (long-context mode with long_steps=0: one more warm-up + cosine schedule of draft_seconds); returns its export.
-#     PROFILE=1: then a draft-training step under the profiler (benchmarks/profile_draft_train.py).
+#     E2E_ARGS: then bench_e2e on the continued pair with these arguments; PROFILE=1: then a draft-training step
+#     under the profiler (benchmarks/profile_draft_train.py).
 # Knobs: SCALE (h200; h200-deep: issue 33's deeper pair; tiny: a CPU rehearsal), TESTS=0 (phase 1 without the build
 # and the engine tests), ABLATIONS=0 (phase 2: the main draft only), RECIPE_TIMEOUT (seconds), E2E_ARGS (phase 3's
 # bench_e2e arguments after --pair, instead of the default contexts and prompts).
@@ -85,8 +86,14 @@ cont)
     --export "$PAIR/export" > "$OUT/recipe_cont.log" 2>&1
   elapsed "recipe draft continuation exit $?"; grep -v "Writing model\|Loading weights" "$OUT/recipe_cont.log" | tail -8
   cp "$PAIR/recipe.json" "$OUT/recipe_cont.json"
+  if [ -n "${E2E_ARGS:-}" ]; then  # the continued draft end to end (its recipe directory is a pair)
+    read -ra e2e_args <<< "$E2E_ARGS"
+    timeout "${E2E_TIMEOUT:-200}" python3 -m benchmarks.bench_e2e --pair "$PAIR" "${e2e_args[@]}" --out "$OUT" 2>&1 \
+      | grep -v "Loading weights\|Writing model" | tail -30
+    elapsed "e2e done"
+  fi
   [ "${PROFILE:-0}" = 1 ] && { timeout 90 python3 -m benchmarks.profile_draft_train --data "$PAIR/corpus/draft.jsonl" \
-      --out "$OUT" 2>&1 | head -45; elapsed "profile done"; }
+      --steps 10 --out "$OUT" 2>&1 | head -45; elapsed "profile done"; }
   (cd "$PAIR" && tar -cf - export/draft export/pair.json) | split -b 15m - "$OUT/cont.tar."
   ;;
 esac
