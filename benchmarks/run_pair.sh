@@ -87,12 +87,12 @@ cont)
   elapsed "recipe draft continuation exit $?"; grep -v "Writing model\|Loading weights" "$OUT/recipe_cont.log" | tail -8
   cp "$PAIR/recipe.json" "$OUT/recipe_cont.json"
   if [ -n "${E2E_ARGS:-}" ]; then  # the continued draft end to end (its recipe directory is a pair)
-    read -ra e2e_args <<< "$E2E_ARGS"
+    eval "e2e_args=($E2E_ARGS)"  # quoted method names keep their spaces
     timeout "${E2E_TIMEOUT:-200}" python3 -m benchmarks.bench_e2e --pair "$PAIR" "${e2e_args[@]}" --out "$OUT" 2>&1 \
       | grep -v "Loading weights\|Writing model" | tail -30
     elapsed "e2e done"
   fi
-  [ "${PROFILE:-0}" = 1 ] && { timeout 90 python3 -m benchmarks.profile_draft_train --data "$PAIR/corpus/draft.jsonl" \
+  [ "${PROFILE:-0}" = 1 ] && { timeout "${PROFILE_TIMEOUT:-90}" python3 -m benchmarks.profile_draft_train --data "$PAIR/corpus/draft.jsonl" \
       --steps 10 --out "$OUT" 2>&1 | head -45; elapsed "profile done"; }
   (cd "$PAIR" && tar -cf - export/draft export/pair.json) | split -b 15m - "$OUT/cont.tar."
   ;;
