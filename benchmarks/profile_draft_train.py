@@ -60,7 +60,8 @@ def main() -> None:
             torch.optim.AdamW.step = real_step
     times = [a.batch_size * a.seq_len / h["tokens_per_s"] for h in hist]
     table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=30)
-    cuda_total = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / active
+    cuda_total = sum(e.self_device_time_total for e in prof.key_averages()  # kernels, not the step annotations
+                     if not e.key.startswith("ProfilerStep")) / 1e3 / active
     lines = [f"seq {a.seq_len} x batch {a.batch_size}; step times (s): " + " ".join(f"{t:.3f}" for t in times),
              f"median of the profiled steps: {statistics.median(times[-active:]):.3f} s; CUDA kernel time per "
              f"profiled step: {cuda_total:.1f} ms", table]
