@@ -1,9 +1,9 @@
 """Where a draft-training step's time goes: the shipped pair's draft trained for a few steps under the PyTorch
 profiler, exactly as the recipe trains it (``longspec.train.train``, bf16 autocast, KL term, anchor-offset, flash
-noisy), on held-out-free training text.
+noisy), on training text (the recipe's draft sample).
 
 Usage (GPU): ``python -m benchmarks.profile_draft_train --data TRAIN_JSONL [--seq-len 32768] [--steps 14]``.
-Prints the step times, the busiest CUDA kernels and the host time per step; writes ``draft_train_profile.txt``
+Prints the step times, the CUDA kernel time per profiled step and the busiest kernels; writes ``draft_train_profile.txt``
 under ``--out``.
 """
 from __future__ import annotations
