@@ -76,6 +76,9 @@ class Scale:
     # the from-scratch target's window phases (SEQ, BATCH, share of the steps), in order; None: target_seq x
     # target_batch, then the last target_long_ratio of the steps on target_long_seq windows
     target_windows: tuple[Window, ...] | None = None
+    # tokens per chunk of the drafts' LM-head loss: larger chunks launch fewer kernels (a 32k-token step at 1024
+    # is host-bound) for chunk x vocab float32 logits each (8192 x 8192 x 4 B = 256 MB)
+    draft_loss_chunk: int = 1024
 
 
 SCALES = {
@@ -116,7 +119,7 @@ SCALES["h200-deep"] = dataclasses.replace(
     max_positions=131072, rope_theta=10_000_000.0, target_long_seq=65536, target_long_ratio=0.1,
     target_windows=((2048, 32, 0.6), (8192, 8, 0.3), (32768, 2, 0.07), (65536, 1, 0.03)),
     target_steps=20000, target_seconds=440.0, draft_seq=32768, draft_batch=1, draft_steps=20000,
-    draft_seconds=420.0, draft_kl_weight=1.0, long_steps=20000, long_seconds=420.0)
+    draft_seconds=420.0, draft_kl_weight=1.0, long_steps=20000, long_seconds=420.0, draft_loss_chunk=8192)
 STAGES = ("data", "target", "drafts", "short")
 DEFAULT_STAGES = ("data", "target", "drafts")
 
