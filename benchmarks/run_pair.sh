@@ -11,12 +11,14 @@
 #     (long-context mode with long_steps=0: one more warm-up + cosine schedule of draft_seconds); returns its export.
 #     E2E_ARGS: then bench_e2e on the continued pair with these arguments; PROFILE=1: then a draft-training step
 #     under the profiler (benchmarks/profile_draft_train.py).
+#   phase e2e: bench_e2e on the shipped pair (longspec/assets/code-pair) with E2E_ARGS, its held-out split rebuilt
+#     from this machine's standard library (what the recipe's corpus stage writes).
 # Knobs: SCALE (h200; h200-deep: issue 33's deeper pair; tiny: a CPU rehearsal), TESTS=0 (phase 1 without the build
 # and the engine tests), ABLATIONS=0 (phase 2: the main draft only), RECIPE_TIMEOUT (seconds), E2E_ARGS (phase 3's
 # bench_e2e arguments after --pair, instead of the default contexts and prompts).
-# Usage: bash benchmarks/run_pair.sh 1|2|3|cont
+# Usage: bash benchmarks/run_pair.sh 1|2|3|cont|e2e
 set -uo pipefail
-phase=${1:?usage: run_pair.sh 1|2|3|cont}
+phase=${1:?usage: run_pair.sh 1|2|3|cont|e2e}
 OUT=${OUT:-$PWD/gpu-out}
 PAIR=${PAIR_DIR:-/tmp/pair}
 SCALE=${SCALE:-h200}
@@ -95,6 +97,14 @@ cont)
   [ "${PROFILE:-0}" = 1 ] && { timeout "${PROFILE_TIMEOUT:-90}" python3 -m benchmarks.profile_draft_train --data "$PAIR/corpus/draft.jsonl" \
       --steps 10 --out "$OUT" 2>&1 | head -45; elapsed "profile done"; }
   (cd "$PAIR" && tar -cf - export/draft export/pair.json) | split -b 15m - "$OUT/cont.tar."
+  ;;
+e2e)
+  [ -s "$PAIR/corpus/heldout.jsonl" ] || python3 -c "import sys; from longspec.train.corpus import build_corpus
+build_corpus(sys.argv[1], splits=('heldout',))" "$PAIR/corpus" || exit 1
+  build; elapsed "held-out split and build: $(python3 -c 'import longspec_ops; print(longspec_ops.has_cuda_kernels())')"
+  eval "e2e_args=(${E2E_ARGS:?phase e2e needs E2E_ARGS (bench_e2e arguments after --pair)})"
+  timeout "${E2E_TIMEOUT:-540}" python3 -m benchmarks.bench_e2e --pair longspec/assets/code-pair \
+    --heldout "$PAIR/corpus/heldout.jsonl" "${e2e_args[@]}" --out "$OUT" 2>&1 | grep -v "Loading weights" | tail -40
   ;;
 esac
 elapsed "phase $phase done"
