@@ -397,8 +397,9 @@ def main(argv=None) -> None:
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--no-hf", action="store_true", help="skip Vanilla HF (slow at long context)")
     ap.add_argument("--fp32-check", type=_positive, nargs="+", default=[], metavar="CONTEXT",
-                    help="then decode one prompt per context in float32 with every engine method and record whether "
-                         "each output equals Vanilla FA's (identical_fp32; e2e_fp32.json)")
+                    help="then decode one prompt per context and kind in float32 with the same methods (--methods) and "
+                         "record whether each output equals Vanilla FA's (identical_fp32; e2e_fp32.json, written "
+                         "after each context)")
     ap.add_argument("--fp32-new-tokens", type=_positive, default=64)
     ap.add_argument("--compile", action="store_true",
                     help="decoders with compile=True (torch.compile of the target's layers, the drafters' propose "
@@ -452,7 +453,8 @@ def main(argv=None) -> None:
         meta32 = {**meta, "dtype": str(torch.float32), "prompts_per_context": 1, "new_tokens": a.fp32_new_tokens}
         with torch.inference_mode():
             fp32_rows = bench(pair32, a.fp32_check, 1, a.fp32_new_tokens, a.temperatures, a.device, hf=False,
-                              kinds=a.prompt_kinds)
+                              on_rows=lambda rows: write_results(rows, meta32, a.out, suite="e2e_fp32"),
+                              only=a.methods, kinds=a.prompt_kinds)
         write_results(fp32_rows, meta32, a.out, suite="e2e_fp32")
         annotate_fp32(rows, fp32_rows)
         write_results(rows, {**meta, "fp32_check": {"contexts": a.fp32_check, "new_tokens": a.fp32_new_tokens}},
