@@ -6,7 +6,7 @@ The pair (:mod:`longspec.pretrained`) was trained on Python source split by pack
 held-out package of this machine's standard library, so the model never saw it in training. float32 by default,
 where speculative output equals plain decoding token for token (the exit status checks it). On a CPU the
 69-node verify is compute-bound (about ten decode steps' cost), so the tree loses to plain decoding there even at
-tau 3-4; the GPU figures are in ``benchmarks/results/h200/e2e.md``. ``dtype=bfloat16``
+tau 3-4; the GPU figures are in ``benchmarks/results/h100/e2e.md``. ``dtype=bfloat16``
 is faster on a GPU, but there the verify and decode kernels round differently, so outputs may part where the
 target's top two logits (nearly) tie.
 """
@@ -109,7 +109,7 @@ def verdict(report: DemoReport) -> str:
     where = ("on a CPU the 69-node verify is compute-bound" if report.device.startswith("cpu") else
              "at this context the draft and verify cost more than they return")
     return (f"{line}; the LongSpec tree emits {tree.tau:.2f} tokens a round but a round costs {steps:.1f} plain "
-            f"steps here ({where}; on a GPU at 16k-64k: benchmarks/results/h200/e2e.md)")
+            f"steps here ({where}; on a GPU at 8k-64k: benchmarks/results/h100/e2e.md)")
 
 
 def print_demo(context: int, new_tokens: int, device: torch.device, dtype: str, seed: Optional[int] = None,
