@@ -78,8 +78,7 @@ def train_draft(target, tokenizer, data_jsonl: str, out_dir: str, s: Scale, step
     cfg = TrainConfig(data=DataConfig(paths=[data_jsonl], seq_len=run.seq), out_dir=out_dir, steps=steps,
                       batch_size=run.batch, lr=run.lr, anchor_offset=anchor_offset, flash_noisy=flash_noisy,
                       kl_weight=run.kl_weight, max_positions=run.max_positions, loss_chunk=s.draft_loss_chunk,
-                      save_every=save_every or steps,
-                      log_every=s.log_every, progress=False, seed=SEED)
+                      save_every=save_every or steps, log_every=s.log_every, progress=False, seed=SEED)
     draft = None
     if run.init is not None and not os.path.isfile(os.path.join(out_dir, "latest")):  # a resume loads its own
         draft = LongSpecDraft.from_pretrained(run.init, target=target, dtype=torch.float32)
