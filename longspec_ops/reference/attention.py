@@ -193,16 +193,28 @@ def commit_kv_(kv_cache: Tensor, cache_seqlens: Tensor, accept_index: Tensor, ac
 
     For each row b and j < accept_lens[b]: rows ``cache_seqlens[b] + j`` of every plane receive the rows
     ``cache_seqlens[b] + accept_index[b, j]`` as they were before the call (sources are read before any write).
+    Like the CUDA kernel, lengths are clamped to A and a row whose source or destination lies outside [0, N) is
+    skipped.
+
+    No shape here depends on the values (no boolean indexing, no host read), so the reference is also the CUDA
+    fallback of a build without ``longspec_ops._C`` inside a captured CUDA graph: every (b, j) writes one row, at
+    its destination clamped into [0, N), and the value is the final one of that row (its accepted source, or the
+    row itself), so rows written twice after clamping receive equal values.
     """
     P, B, N = kv_cache.shape[:3]
     A = accept_index.shape[1]
-    if A == 0:
+    if A == 0 or N == 0:
         return
-    base = cache_seqlens.to(torch.int64)[:, None]
+    base = cache_seqlens.to(torch.int64)[:, None]  # [B, 1]
     j = torch.arange(A, device=kv_cache.device)[None, :]
-    valid = j < accept_lens.to(torch.int64)[:, None]  # [B, A]
-    src = torch.where(valid, base + accept_index.to(torch.int64), base + j)
+    src = base + accept_index.to(torch.int64)  # [B, A]
     dst = base + j
+    ok = (j < accept_lens.to(torch.int64)[:, None]) & (dst >= 0) & (dst < N) & (src >= 0) & (src < N)
+    row = dst.clamp(0, N - 1)  # the row each (b, j) writes
+    k = row - base  # the path entry whose destination that row is, if any
+    k_ok = (k >= 0) & (k < A)
+    k = k.clamp(0, A - 1)
+    take = k_ok & ok.gather(1, k)
+    source = torch.where(take, src.gather(1, k), row)
     b = torch.arange(B, device=kv_cache.device)[:, None].expand(B, A)
-    rows = kv_cache[:, b[valid], src[valid]].clone()  # gather first: sources may overlap destinations
-    kv_cache[:, b[valid], dst[valid]] = rows
+    kv_cache[:, b, row] = kv_cache[:, b, source].clone()  # gather first: sources may overlap destinations

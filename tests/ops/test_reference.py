@@ -170,6 +170,35 @@ def test_commit_kv_moves_overlapping_rows():
     assert torch.equal(kv, want)
 
 
+
+def test_commit_kv_reference_skips_out_of_range_rows_like_the_kernel():
+    """Lengths past A are clamped and rows whose source or destination leaves [0, N) are skipped (the CUDA
+    kernel's rule, tests/ops/test_csrc_build.py), against a loop, on random and out-of-range values."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        B, N, A = int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(1, 12, (1,), generator=g)), 4
+        kv = torch.randn(2, B, N, 1, 2, generator=g)
+        seqlens = torch.randint(-2, N + 3, (B,), generator=g, dtype=torch.int32)
+        idx = torch.randint(-3, N + 3, (B, A), generator=g, dtype=torch.int32)
+        lens = torch.randint(0, A + 3, (B,), generator=g, dtype=torch.int32)
+        want = kv.clone()
+        for b in range(B):
+            for j in range(min(int(lens[b]), A)):
+                dst, src = int(seqlens[b]) + j, int(seqlens[b]) + int(idx[b, j])
+                if 0 <= dst < N and 0 <= src < N:
+                    want[:, b, dst] = kv[:, b, src]
+        ref.commit_kv_(kv, seqlens, idx, lens)
+        assert torch.equal(kv, want)
+
+
+def test_commit_kv_reference_has_no_value_dependent_shapes():
+    """It runs on the meta device (no boolean indexing, no host read), so as the CUDA fallback of a build without
+    longspec_ops._C it can run inside a captured CUDA graph (the boolean-indexing version broke the capture)."""
+    meta = dict(device="meta", dtype=torch.int32)
+    ref.commit_kv_(torch.empty(2, 2, 8, 1, 4, device="meta"), torch.zeros(2, **meta), torch.zeros(2, 3, **meta),
+                   torch.zeros(2, **meta))
+
+
 def _sample_args():
     B, M, N, Hq, Hkv, D = 2, 3, 9, 4, 2, 8
     q, kc, vc, kt, vt = _qkv(B, M, N, Hq, Hkv, D, dtype=torch.float32, seed=13)
