@@ -89,6 +89,11 @@ def methods(pair: Pair) -> dict[str, tuple]:
     return out
 
 
+def _compiled_graphs() -> int:
+    """Graphs torch.compile has made in this process so far (dynamo's ``unique_graphs`` counter)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -154,11 +159,13 @@ def run_engine(pair: Pair, factory, shape, budget_factory, prompts, new_tokens: 
     for temperature in temperatures:
         emitted = forwards = 0
         seconds = capture = 0.0
-        outputs, lengths, nodes = [], [], []
+        outputs, lengths, nodes, per_prompt = [], [], [], []
+        graphs_before = _compiled_graphs()
         for i, ids in enumerate(prompts):
             _sync(device)
             out = dec.generate(ids, new_tokens, temperature=temperature, seed=i, eos_token_id=[])
             _sync(device)
+            per_prompt.append(out.stats.time_decode - out.stats.time_capture)
             seconds += out.stats.time_decode - out.stats.time_capture  # steady decoding: no graph capture
             capture += out.stats.time_capture
             emitted += sum(sum(a) for a in out.accept_lengths)
@@ -172,6 +179,9 @@ def run_engine(pair: Pair, factory, shape, budget_factory, prompts, new_tokens: 
             "capture_ms_per_call": 1e3 * capture / len(prompts), "calibrate_s": calibrate_s,
             "nodes_per_round": sum(nodes) / len(nodes) if nodes else None, "draft_bytes": draft_bytes,
             "tree_scratch_bytes": tree_rows * per_row, "accept_hist": hist,
+            # where a slow cell's time went: each prompt's decode seconds, and graphs torch.compile made in the
+            # timed calls (0 after the warm-up unless something recompiled)
+            "decode_s_per_prompt": per_prompt, "compiled_in_timed_calls": _compiled_graphs() - graphs_before,
             "accept_by_depth": accept_by_depth(hist, dec.tree.depth) if drafter is not None else None,
             **_peak(device, start), "outputs": outputs}
     del dec, drafter
@@ -255,8 +265,10 @@ def bench(pair: Pair, contexts, n_prompts: int, new_tokens: int, temperatures, d
                     print(f"ctx {ctx:6d} {kind} T {temperature} {name:32s} {r['error']}", flush=True)
                     continue
                 peak = f" peak {r['peak_bytes'] / 2**20:.0f} MB" if r["peak_bytes"] is not None else ""
+                recompiled = f" COMPILED {r['compiled_in_timed_calls']} graphs in timed calls" \
+                    if r.get("compiled_in_timed_calls") else ""
                 print(f"ctx {ctx:6d} {kind} T {temperature} {name:32s} tau {r['tau']:.2f} "
-                      f"{r['tokens_per_s']:8.1f} tok/s x{speedup:.2f} same={same}{peak}", flush=True)
+                      f"{r['tokens_per_s']:8.1f} tok/s x{speedup:.2f} same={same}{peak}{recompiled}", flush=True)
         if on_rows is not None:
             on_rows(rows)
     return rows
