@@ -295,6 +295,34 @@ def test_cuda_graph_capture():
     assert torch.equal(out_g, out_eager) and torch.equal(lse_g, lse_eager)
 
 
+@pytest.mark.parametrize("case", sorted(COMMIT_CASES))
+def test_reference_commit_captures_in_a_cuda_graph(case):
+    """The PyTorch reference is commit_kv_'s CUDA fallback when _C is missing, so it must capture too (its
+    boolean-indexing form broke a capture on an H100: cudaErrorStreamCaptureInvalidated). Replayed on a second set
+    of values, it equals the reference run on the CPU."""
+    index_rows, lens, seqlens = COMMIT_CASES[case]
+    g = _gen(_seed("capture", case))
+    kv, cache_seqlens, accept_index, accept_lens = _commit_inputs(
+        3, len(index_rows), 24, 2, 16, torch.bfloat16, index_rows, lens, seqlens, torch.int32, g
+    )
+    static_kv = kv.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up outside capture
+        ref.commit_kv_(static_kv.clone(), cache_seqlens, accept_index, accept_lens)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ref.commit_kv_(static_kv, cache_seqlens, accept_index, accept_lens)
+    fresh = torch.randn(kv.shape, device=DEVICE, generator=g).to(kv.dtype)
+    expected = fresh.cpu()
+    ref.commit_kv_(expected, cache_seqlens.cpu(), accept_index.cpu(), accept_lens.cpu())
+    static_kv.copy_(fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(_bytes(static_kv.cpu()), _bytes(expected))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # bad input: the public ops check in Python (ValueError naming the argument) before the C++ kernel runs
 # ---------------------------------------------------------------------------------------------------------
