@@ -5,7 +5,7 @@
 # benchmark; MODELS / CONTEXTS / TREES pick the benchmark rows; PROFILE=0 skips the profile; PROBE=1 runs
 # benchmarks/probe_skinny_gemm.py (with PROBE_ARGS) while the extension builds (it needs only Triton); SWEEP_BEAM=1
 # runs benchmarks/sweep_beam.py (with SWEEP_ARGS) after the tests; FP8=1 adds the float8-weight draft rows (--fp8); BENCH=0 skips the
-# step benchmark.
+# step benchmark; BENCH_ARGS adds arguments to it (e.g. --inductor combo_kernels=True --tree-tau FILE).
 # Usage: LONGSPEC_GIT_SHA=$(git rev-parse --short HEAD) bash benchmarks/run_draft_step.sh
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
@@ -46,7 +46,7 @@ fp8=$([ "${FP8:-0}" = 1 ] && echo --fp8)
 if [ "${BENCH:-1}" = 1 ]; then
   # shellcheck disable=SC2086
   timeout "${BENCH_TIMEOUT:-420}" python3 -m benchmarks.bench_step_latency --models ${MODELS:-Llama-3-8B pair} \
-    --contexts ${CONTEXTS:-32768} --trees ${TREES:-4-16-16-16-16} --compile on $profile $fp8 --out "$OUT" \
+    --contexts ${CONTEXTS:-32768} --trees ${TREES:-4-16-16-16-16} --compile on $profile $fp8 ${BENCH_ARGS:-} --out "$OUT" \
     > "$OUT/bench.log" 2>&1
   elapsed "bench rc $?"
   grep -v "^{" "$OUT/bench.log" | tail -20
