@@ -71,9 +71,10 @@ def load_pair(pair_dir: str, device: str, dtype: torch.dtype, heldout: str | Non
     return Pair(target, tokenizer, drafts, heldout or os.path.join(pair_dir, "corpus", "heldout.jsonl"))
 
 
-def methods(pair: Pair) -> dict[str, tuple]:
+def methods(pair: Pair, trees: Sequence[tuple[int, ...]] = ()) -> dict[str, tuple]:
     """name -> (drafter factory or None, tree shape, adaptive budget factory or None); Vanilla HF is handled
-    separately. The adaptive row is ``bench_adaptive``'s merged LongSpec tree + PLD chain under its budget."""
+    separately. The adaptive row is ``bench_adaptive``'s merged LongSpec tree + PLD chain under its budget.
+    ``trees``: more LongSpec tree shapes for the draft, each its own row ("LongSpec tree 4-12-12-12-12")."""
     out = {
         VANILLA_FA: (lambda: None, (1,), None),
         "PLD chain 6": (PromptLookupDrafter, (1,) * 6, None),
@@ -86,6 +87,8 @@ def methods(pair: Pair) -> dict[str, tuple]:
         if name == "draft":
             out[f"{label} chain 5"] = (lambda d=draft: LongSpecDrafter(d), (1,) * 5, None)
             out[ADAPTIVE] = (lambda d=draft: merged_drafter(d), merged_spec(TREE), merged_budget)
+            for shape in trees:
+                out[f"{label} tree {'-'.join(map(str, shape))}"] = (lambda d=draft: LongSpecDrafter(d), shape, None)
     return out
 
 
@@ -227,11 +230,13 @@ def run_hf(pair: Pair, prompts, new_tokens: int, temperature: float, device: str
 
 def bench(pair: Pair, contexts, n_prompts: int, new_tokens: int, temperatures, device: str, hf: bool,
           on_rows=None, compile: bool = False, only: Optional[Sequence[str]] = None,
-          numerics: str = "fast", kinds: Sequence[str] = ("repository",)) -> list[dict]:
+          numerics: str = "fast", kinds: Sequence[str] = ("repository",),
+          trees: Sequence[tuple[int, ...]] = ()) -> list[dict]:
     """Every method (or those named in ``only``; Vanilla FA always, as the baseline) at every (context,
     temperature), contexts in the order given; ``on_rows(rows)`` is called after each context (so a run cut short
     keeps what it measured). ``compile``: the decoders' ``compile=True`` (compiled in each method's warm-up);
-    ``numerics``: their :class:`~longspec.Numerics`, by name; ``kinds``: the prompt kinds, each its own rows."""
+    ``numerics``: their :class:`~longspec.Numerics`, by name; ``kinds``: the prompt kinds, each its own rows;
+    ``trees``: more LongSpec tree shapes (:func:`methods`)."""
     rows = []
     for ctx, kind in [(c, k) for c in contexts for k in kinds]:
         prompts, packages = heldout_prompts(pair.heldout, pair.tokenizer, ctx, n_prompts, seed=ctx, kind=kind)
@@ -240,7 +245,7 @@ def bench(pair: Pair, contexts, n_prompts: int, new_tokens: int, temperatures, d
         if hf:
             for temperature in temperatures:
                 results[temperature][VANILLA_HF] = run_hf(pair, prompts, new_tokens, temperature, device)
-        for name, (factory, shape, budget_factory) in methods(pair).items():
+        for name, (factory, shape, budget_factory) in methods(pair, trees).items():
             if only and name != VANILLA_FA and name not in only:
                 continue
             for temperature, r in run_engine(pair, factory, shape, budget_factory, prompts, new_tokens, temperatures,
@@ -382,6 +387,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _tree(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(n) for n in text.split("-"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a tree is dash-separated node counts per depth, got {text!r}") from None
+    if min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"nodes per depth must be >= 1, got {text!r}")
+    return shape
+
+
 def check_contexts(pair_dir: str, contexts, new_tokens: int, flag: str = "--contexts") -> None:
     """Refuse, before any weight is loaded, a context whose prompt plus generation exceeds the target's positions."""
     with open(os.path.join(pair_dir, "target", "config.json")) as f:
@@ -418,6 +433,9 @@ def main(argv=None) -> None:
                          "and the tail; compiled in each method's warm-up, not timed)")
     ap.add_argument("--methods", nargs="+", metavar="NAME",
                     help="only these engine methods (by row name; Vanilla FA always runs as the baseline)")
+    ap.add_argument("--trees", type=_tree, nargs="+", default=[], metavar="SHAPE",
+                    help="more LongSpec tree shapes (e.g. 4-12-12-12-12), each a row 'LongSpec tree SHAPE' beside the "
+                         "default 4-16-16-16-16 ('LongSpec tree')")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--numerics", choices=("fast", "invariant"), default="fast",
                     help="every engine method's numerics (longspec.Numerics); invariant: speculative output equals "
@@ -450,7 +468,7 @@ def main(argv=None) -> None:
         ap.error(str(err))
     dtype = torch.bfloat16 if a.device.startswith("cuda") else torch.float32
     pair = load_pair(a.pair, a.device, dtype, a.heldout)
-    names = set(methods(pair)) - {VANILLA_FA}
+    names = set(methods(pair, a.trees)) - {VANILLA_FA}
     if a.methods and not set(a.methods) <= names:
         ap.error(f"argument --methods: unknown {sorted(set(a.methods) - names)}; the methods are {sorted(names)}")
     meta = {"device": a.device, "dtype": str(dtype), "prompts_per_context": a.prompts, "new_tokens": a.new_tokens,
@@ -458,7 +476,7 @@ def main(argv=None) -> None:
     with torch.inference_mode():
         rows = bench(pair, a.contexts, a.prompts, a.new_tokens, a.temperatures, a.device, hf=not a.no_hf,
                      on_rows=lambda rows: write_results(rows, meta, a.out), compile=a.compile, only=a.methods,
-                     numerics=a.numerics, kinds=a.prompt_kinds)
+                     numerics=a.numerics, kinds=a.prompt_kinds, trees=a.trees)
     if a.fp32_check:
         del pair
         pair32 = load_pair(a.pair, a.device, torch.float32, a.heldout)
@@ -466,7 +484,7 @@ def main(argv=None) -> None:
         with torch.inference_mode():
             fp32_rows = bench(pair32, a.fp32_check, 1, a.fp32_new_tokens, a.temperatures, a.device, hf=False,
                               on_rows=lambda rows: write_results(rows, meta32, a.out, suite="e2e_fp32"),
-                              only=a.methods, kinds=a.prompt_kinds)
+                              only=a.methods, kinds=a.prompt_kinds, trees=a.trees)
         write_results(fp32_rows, meta32, a.out, suite="e2e_fp32")
         annotate_fp32(rows, fp32_rows)
         write_results(rows, {**meta, "fp32_check": {"contexts": a.fp32_check, "new_tokens": a.fp32_new_tokens}},

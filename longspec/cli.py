@@ -469,11 +469,14 @@ def _finished_step(out: str) -> Optional[int]:
 
 def add_demo_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="the shipped trained pair on a held-out long code prompt: plain vs speculative")
-    p.add_argument("--context", type=_int(64), default=4096, help="prompt tokens (default 4096)")
+    p.add_argument("--context", type=_int(64), default=None, help="prompt tokens (default: 4096 on a CPU, 32768 on a GPU)")
     p.add_argument("--new-tokens", type=_int(1), default=128)
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="bfloat16 is faster on a GPU, but outputs may then part at near-ties of the target's logits")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="default: float32 on a CPU, bfloat16 on a GPU")
+    p.add_argument("--numerics", choices=["fast", "invariant"], default=None,
+                   help="the target's kernels (longspec.Numerics): in bfloat16 only 'invariant' keeps every output "
+                        "equal to plain decoding's (default: fast in float32, invariant in bfloat16)")
     p.add_argument("--seed", type=_int(0), default=None, help="which held-out prompt (default: the demo's own)")
     p.set_defaults(run=run_demo)
 
@@ -481,11 +484,12 @@ def add_demo_parser(sub: argparse._SubParsersAction) -> None:
 def run_demo(args: argparse.Namespace) -> int:
     from transformers.utils import logging as hf_logging
 
-    from longspec.demo import print_demo
+    from longspec.demo import defaults, print_demo
 
     device = _device(args.device)
+    context, dtype, numerics = defaults(device, args.context, args.dtype, args.numerics)
     hf_logging.disable_progress_bar()  # the demo prints its own progress, a line per step
-    return print_demo(args.context, args.new_tokens, device, args.dtype, args.seed)
+    return print_demo(context, args.new_tokens, device, dtype, args.seed, numerics=numerics)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ from collections import Counter
 import torch
 
 from longspec import SpeculativeDecoder
-from longspec.demo import DEFAULT_SEED, print_demo
+from longspec.demo import DEFAULT_SEED, defaults, print_demo
 from longspec.pretrained import heldout_stdlib_prompt, load_code_pair
 
 METHODS = 4
@@ -46,3 +46,14 @@ def test_the_default_prompts_continuation_reads_like_code():
     assert len(lines) >= 8, lines
     assert len(set(lines)) >= 0.7 * len(lines), lines
     assert max(Counter(lines).values()) <= 2, lines
+
+
+def test_defaults_by_device():
+    """A CPU gets the short float32 demo; a GPU the 32k bf16 one, with invariant numerics so that every output still
+    equals plain decoding's; what is given is kept."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert defaults(cpu) == (4096, "float32", "fast")
+    assert defaults(cuda) == (32768, "bfloat16", "invariant")
+    assert defaults(cuda, dtype="float32") == (32768, "float32", "fast")
+    assert defaults(cpu, 300, "bfloat16") == (300, "bfloat16", "invariant")
+    assert defaults(cuda, 8192, "bfloat16", "fast") == (8192, "bfloat16", "fast")

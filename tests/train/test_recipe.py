@@ -195,14 +195,14 @@ def test_e2e_benchmark_on_the_tiny_pair(tmp_path, fake_site):
     assert shipped.returncode == 2 and "--heldout" in shipped.stderr  # an exported pair needs the held-out split
     cmd = [sys.executable, "-m", "benchmarks.bench_e2e", "--pair", str(tmp_path), "--contexts", "160",
            "--prompts", "1", "--new-tokens", "6", "--temperatures", "0", "1", "--device", "cpu",
-           "--fp32-check", "160", "--fp32-new-tokens", "4", "--out", str(tmp_path / "results")]
+           "--fp32-check", "160", "--fp32-new-tokens", "4", "--trees", "2-2", "--out", str(tmp_path / "results")]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[2],
                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads((tmp_path / "results" / "e2e.json").read_text())["rows"]
     methods = {r["method"] for r in rows}
     assert {"Vanilla HF", "Vanilla FA", "LongSpec tree", "LongSpec (no_anchor) tree", "PLD chain 6",
-            "adaptive LongSpec+PLD"} <= methods
+            "adaptive LongSpec+PLD", "LongSpec tree 2-2"} <= methods
     assert len(rows) == 2 * len(methods)
     for r in rows:
         if r["method"] != "Vanilla HF":
