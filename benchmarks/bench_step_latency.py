@@ -223,9 +223,41 @@ NOTES = ["Random weights, bf16, batch 1, CUDA graphs; times in us. decode = a pl
          "fast <= 1.2)."]
 
 
-def write(rows: list[dict], meta: dict, out_dir: str, plot: bool = True, suite: str = "step_latency"):
+def write(rows: list[dict], meta: dict, out_dir: str, plot: bool = True, suite: str = "step_latency",
+          taus: Optional[dict] = None):
+    columns = COLUMNS + (TREE_COLUMNS if add_tree_tau(rows, meta, taus) else [])
     return write_results(suite, rows, out_dir, meta=meta, title="Round cost at real sizes", notes=NOTES,
-                         columns=COLUMNS, plot=_plot if plot else None)
+                         columns=columns, plot=_plot if plot else None)
+
+
+def read_tree_tau(path: Optional[str]) -> Optional[dict]:
+    """``benchmarks.tree_tau``'s result (``--tree-tau``), or None."""
+    if path is None:
+        return None
+    if not os.path.isfile(path):
+        raise SystemExit(f"argument --tree-tau: {path!r} is not a file (benchmarks.tree_tau writes tree_tau.json)")
+    return json.loads(open(path).read())
+
+
+def add_tree_tau(rows: list[dict], meta: dict, taus: Optional[dict]) -> bool:
+    """Put each row's tree's tau over the first tree's (``taus``: a tree_tau result, measured on the pair) beside it,
+    and the cost per generated token over the first tree's row of the same model, context and compile setting
+    (round cost over tau). True when ``taus`` was given."""
+    if taus is None:
+        return False
+    first = taus["rows"][0]["tree"]
+    ratio = {t["tree"]: t["tau_vs_first"] for t in taus["rows"]}
+    meta["tree tau"] = f"context {taus['meta'].get('context')}, first tree {first}"
+    for row in rows:
+        if row.get("tree") not in ratio:
+            continue
+        row["tau_vs_first"] = ratio[row["tree"]]
+        base = next((r for r in rows if r["model"] == row["model"] and r["context"] == row["context"]
+                     and r["compile"] == row["compile"] and r.get("tree") == first), None)
+        key = "round_reduced_per_decode" if "round_reduced_per_decode" in row else "round_per_decode"
+        if base is not None:
+            row["cost_per_token_vs_first"] = row[key] / base[key] / row["tau_vs_first"]
+    return True
 
 
 def merge(paths: list[str], tree_tau: Optional[str], out: Optional[str]) -> None:
@@ -237,20 +269,9 @@ def merge(paths: list[str], tree_tau: Optional[str], out: Optional[str]) -> None
         raise SystemExit(f"--merge: the runs come from different commits {sorted(shas)}")
     rows = [row for r in runs for row in r["rows"]]
     meta = {k: v for r in runs for k, v in r["meta"].items()}
-    if tree_tau:
-        taus = json.loads(open(tree_tau).read())
-        ratio = {t["tree"]: t["tau_vs_first"] for t in taus["rows"]}
-        meta["tree tau"] = f"{tree_tau} (context {taus['meta'].get('context')}, first tree {taus['rows'][0]['tree']})"
-        for row in rows:
-            if row.get("tree") in ratio:
-                row["tau_vs_first"] = ratio[row["tree"]]
-                # decode steps per generated token relative to the reference tree's: cost per round over tau
-                base = next(r for r in rows if r["model"] == row["model"] and r["context"] == row["context"]
-                            and r["compile"] == row["compile"] and r.get("tree") == taus["rows"][0]["tree"])
-                key = "round_reduced_per_decode" if "round_reduced_per_decode" in row else "round_per_decode"
-                row["cost_per_token_vs_first"] = row[key] / base[key] / row["tau_vs_first"]
+    columns = COLUMNS + (TREE_COLUMNS if add_tree_tau(rows, meta, read_tree_tau(tree_tau)) else [])
     write_results("step_latency", rows, out, meta=meta, title="Round cost at real sizes", notes=NOTES,
-                  columns=COLUMNS + TREE_COLUMNS, plot=_plot, env=runs[0]["environment"])
+                  columns=columns, plot=_plot, env=runs[0]["environment"])
     print((results_dir(out) / "step_latency.md").read_text())
 
 
@@ -331,7 +352,8 @@ def main(argv=None) -> None:
     ap.add_argument("--merge", nargs="+", metavar="STEP_LATENCY_JSON",
                     help="no measurement: combine the rows of runs split over several device calls into one result")
     ap.add_argument("--tree-tau", metavar="TREE_TAU_JSON",
-                    help="benchmarks.tree_tau's result: each row gets its tree's tau over the first tree's there")
+                    help="benchmarks.tree_tau's result: each row gets its tree's tau over the first tree's there, "
+                         "and its cost per generated token over the first tree's row")
     ap.add_argument("--inductor", nargs="+", default=[], metavar="KEY=VALUE",
                     help="torch._inductor.config settings for every compile of the run (an A/B knob, e.g. "
                          "combo_kernels=True); recorded in the result's meta")
@@ -342,6 +364,7 @@ def main(argv=None) -> None:
         merge(a.merge, a.tree_tau, a.out)
         return
     inductor = _inductor_settings(ap, a.inductor)
+    taus = read_tree_tau(a.tree_tau)
     if not torch.cuda.is_available():
         raise SystemExit("bench_step_latency needs a CUDA device")
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -386,7 +409,7 @@ def main(argv=None) -> None:
     def on_row(row):  # written after every row, so a run cut short keeps what it measured
         rows.append(row)
         if _main_rank():
-            write(rows, meta, a.out, plot=False, suite=suite)
+            write(rows, meta, a.out, plot=False, suite=suite, taus=taus)
 
     profiles = []
 
@@ -404,7 +427,7 @@ def main(argv=None) -> None:
                 profile=on_profile if a.profile else None, fp8=a.fp8)
         torch.cuda.empty_cache()
     if _main_rank():
-        print((write(rows, meta, a.out, suite=suite) / f"{suite}.md").read_text(), flush=True)
+        print((write(rows, meta, a.out, suite=suite, taus=taus) / f"{suite}.md").read_text(), flush=True)
     if a.tp and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
