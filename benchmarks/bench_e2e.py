@@ -36,6 +36,7 @@ from typing import Optional, Sequence
 import torch
 
 from benchmarks.bench_adaptive import ADAPTIVE, TREE, merged_budget, merged_drafter, merged_spec
+from benchmarks.harness import tree_shape
 from benchmarks.harness import write_results as write_results_files
 from longspec import (LongSpecDraft, LongSpecDrafter, Numerics, PromptLookupDrafter, SpeculativeDecoder,
                       StreamingSelfDrafter)
@@ -387,16 +388,6 @@ def _positive(text: str) -> int:
     return value
 
 
-def _tree(text: str) -> tuple[int, ...]:
-    try:
-        shape = tuple(int(n) for n in text.split("-"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a tree is dash-separated node counts per depth, got {text!r}") from None
-    if min(shape) < 1:
-        raise argparse.ArgumentTypeError(f"nodes per depth must be >= 1, got {text!r}")
-    return shape
-
-
 def check_contexts(pair_dir: str, contexts, new_tokens: int, flag: str = "--contexts") -> None:
     """Refuse, before any weight is loaded, a context whose prompt plus generation exceeds the target's positions."""
     with open(os.path.join(pair_dir, "target", "config.json")) as f:
@@ -433,7 +424,7 @@ def main(argv=None) -> None:
                          "and the tail; compiled in each method's warm-up, not timed)")
     ap.add_argument("--methods", nargs="+", metavar="NAME",
                     help="only these engine methods (by row name; Vanilla FA always runs as the baseline)")
-    ap.add_argument("--trees", type=_tree, nargs="+", default=[], metavar="SHAPE",
+    ap.add_argument("--trees", type=tree_shape, nargs="+", default=[], metavar="SHAPE",
                     help="more LongSpec tree shapes (e.g. 4-12-12-12-12), each a row 'LongSpec tree SHAPE' beside the "
                          "default 4-16-16-16-16 ('LongSpec tree')")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -59,7 +59,7 @@ from typing import Optional, Sequence
 import torch
 
 from benchmarks.bench_step_adaptive import ADAPTIVE_COLUMNS, ADAPTIVE_NOTES, measure_adaptive
-from benchmarks.harness import environment, results_dir, write_results
+from benchmarks.harness import environment, results_dir, tree_shape, write_results
 from benchmarks.step_parts import (TREE, local_bytes, attention_floor_us, draft_floor_us, linear_floor_us,
                                    profile_draft, round_times, target_and_draft)
 from benchmarks.timing import measure_peaks
@@ -393,11 +393,9 @@ def main(argv=None) -> None:
         return
     peaks = measure_peaks()
     try:
-        trees = [tuple(int(n) for n in t.split("-")) for t in a.trees]
-    except ValueError:
-        ap.error(f"argument --trees: shapes are dash-separated node counts, got {a.trees}")
-    if any(min(t) < 1 for t in trees):
-        ap.error(f"argument --trees: nodes per depth must be >= 1, got {a.trees}")
+        trees = [tree_shape(t) for t in a.trees]
+    except argparse.ArgumentTypeError as err:
+        ap.error(f"argument --trees: {err}")
     meta = {"trees": " ".join(a.trees), "copy TB/s": round(peaks["copy_bytes_per_s"] / 1e12, 2)}
     if inductor:
         meta["inductor"] = " ".join(f"{k}={v}" for k, v in inductor.items())

@@ -7,6 +7,7 @@ benchmark call :func:`write_results`; GPU timing is :class:`benchmarks.timing.Ti
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -18,6 +19,18 @@ from typing import Callable, Optional, Sequence
 import torch
 
 Column = tuple[str, str, str]  # (row key, header, format spec such as ".1f"; "" for str())
+
+
+def tree_shape(text: str) -> tuple[int, ...]:
+    """A tree shape argument, nodes per depth dash-separated ("4-16-16-16-16") -> ``(4, 16, 16, 16, 16)``; an
+    argparse ``type`` (its error names what was expected)."""
+    try:
+        shape = tuple(int(n) for n in text.split("-"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a tree is dash-separated node counts per depth, got {text!r}") from None
+    if min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"nodes per depth must be >= 1, got {text!r}")
+    return shape
 
 
 def environment() -> dict:

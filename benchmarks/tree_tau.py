@@ -19,14 +19,10 @@ import time
 
 import torch
 
-from benchmarks.harness import write_results
+from benchmarks.harness import tree_shape, write_results
 
 TREES = ["4-16-16-16-16", "4-16-16-16", "4-16-16", "4-12-12-12-12", "4-8-8-8-8", "4-8-8-8", "3-6-6-6-6",
          "2-4-4-4-4", "4-8-8-4-4"]
-
-
-def shape(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split("-"))
 
 
 def measure(trees: list[str], context: int, prompts: int, new_tokens: int, device: str, dtype: torch.dtype,
@@ -38,7 +34,7 @@ def measure(trees: list[str], context: int, prompts: int, new_tokens: int, devic
     inputs = [heldout_stdlib_prompt(pair.tokenizer, context, seed=100 + i) for i in range(prompts)]
     rows = []
     for tree, weight_dtype in [(t, w) for t in trees for w in ((None, torch.float8_e4m3fn) if fp8 else (None,))]:
-        spec = shape(tree)
+        spec = tree_shape(tree)
         dec = SpeculativeDecoder(pair.target, LongSpecDrafter(pair.draft, weight_dtype=weight_dtype), tree_shape=spec,
                                  cuda_graphs=device.startswith("cuda"))
         lengths, t0 = [], time.perf_counter()
@@ -67,7 +63,7 @@ COLUMNS = [("tree", "tree", ""), ("weights", "draft weights", ""), ("nodes", "no
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--trees", nargs="+", default=TREES, help="nodes per depth, dash-separated; the first is the "
+    ap.add_argument("--trees", nargs="+", type=lambda t: "-".join(map(str, tree_shape(t))), default=TREES, help="nodes per depth, dash-separated; the first is the "
                                                                 "reference")
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--prompts", type=int, default=3)

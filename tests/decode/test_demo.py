@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 from collections import Counter
 
+import pytest
 import torch
 
 from longspec import SpeculativeDecoder
@@ -57,3 +58,25 @@ def test_defaults_by_device():
     assert defaults(cuda, dtype="float32") == (32768, "float32", "fast")
     assert defaults(cpu, 300, "bfloat16") == (300, "bfloat16", "invariant")
     assert defaults(cuda, 8192, "bfloat16", "fast") == (8192, "bfloat16", "fast")
+
+
+def test_every_method_runs_with_the_numerics_asked_for(monkeypatch):
+    """The demo's numerics reach every decoder (plain decoding included, the reference the others must equal), the
+    header names them, and an unknown name is refused."""
+    from longspec import Numerics
+    from longspec.demo import run_demo
+
+    seen = []
+    generate = SpeculativeDecoder.generate
+
+    def watched(self, *args, **kwargs):
+        seen.append(self.numerics)
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(SpeculativeDecoder, "generate", watched)
+    out = io.StringIO()
+    assert print_demo(300, NEW, torch.device("cpu"), "float32", seed=0, out=out, numerics="invariant") == 0
+    assert seen == [Numerics.INVARIANT] * METHODS
+    assert "float32, invariant numerics" in out.getvalue().splitlines()[0]
+    with pytest.raises(ValueError, match="numerics must be one of"):
+        run_demo(300, NEW, "cpu", numerics="exact")
