@@ -378,6 +378,8 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--grad-accum", type=_int(1), default=1)
     p.add_argument("--lr", type=_float(0.0, lo_open=True), default=5e-4)
     p.add_argument("--kl-weight", type=_float(0.0), default=0.0, help="weight of KL(target || draft) added to the CE")
+    p.add_argument("--ce-weight", type=_float(0.0), default=1.0,
+                   help="weight of the CE on the data's next tokens (0 with --kl-weight > 0: pure distillation)")
     p.add_argument("--draft-vocab-size", type=_int(0), default=0,
                    help="checkpoints carry the N most frequent training tokens as the draft's reduced vocabulary")
     p.add_argument("--delta-max", type=_int(1), default=5, help="flash noisy: largest lag of the target K/V")
@@ -438,7 +440,7 @@ def run_train(args: argparse.Namespace) -> int:
         draft = LongSpecDraft.from_pretrained(args.draft_init, target=target, dtype=torch.float32)
     cfg = TrainConfig(data=DataConfig(paths=args.data, field=args.field, seq_len=args.seq_len), out_dir=args.out,
                       steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
-                      kl_weight=args.kl_weight, draft_vocab_size=args.draft_vocab_size,
+                      kl_weight=args.kl_weight, ce_weight=args.ce_weight, draft_vocab_size=args.draft_vocab_size,
                       delta_max=args.delta_max, anchor_offset=not args.no_anchor_offset,
                       flash_noisy=not args.no_flash_noisy, parallel=Parallel(parallel), seed=args.seed,
                       save_every=args.save_every, log_every=args.log_every, tensorboard=args.tensorboard)

@@ -79,6 +79,8 @@ class Scale:
     # tokens per chunk of the drafts' LM-head loss: larger chunks launch fewer kernels (a 32k-token step at 1024
     # is host-bound) for chunk x vocab float32 logits each (8192 x 8192 x 4 B = 256 MB)
     draft_loss_chunk: int = 1024
+    # the long-context drafts' CE term (0: pure distillation, KL to the target only; see chunked_lm_loss)
+    long_draft_ce_weight: float = 1.0
 
 
 SCALES = {

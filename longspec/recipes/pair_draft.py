@@ -54,6 +54,7 @@ class DraftRun:
     kl_weight: float = 0.0
     max_positions: int | None = None
     init: str | None = None
+    ce_weight: float = 1.0
 
 
 def scratch_draft_run(s: Scale) -> DraftRun:
@@ -62,7 +63,7 @@ def scratch_draft_run(s: Scale) -> DraftRun:
 
 def long_draft_run(s: Scale, init_draft: str | None) -> DraftRun:
     return DraftRun(s.long_draft_seq, s.long_draft_batch, s.long_draft_lr, s.long_draft_kl_weight, s.long_to_seq,
-                    init_draft)
+                    init_draft, s.long_draft_ce_weight)
 
 
 def short_draft_run(s: Scale, long_mode: bool) -> DraftRun:
@@ -77,7 +78,8 @@ def train_draft(target, tokenizer, data_jsonl: str, out_dir: str, s: Scale, step
     run = run or scratch_draft_run(s)
     cfg = TrainConfig(data=DataConfig(paths=[data_jsonl], seq_len=run.seq), out_dir=out_dir, steps=steps,
                       batch_size=run.batch, lr=run.lr, anchor_offset=anchor_offset, flash_noisy=flash_noisy,
-                      kl_weight=run.kl_weight, max_positions=run.max_positions, loss_chunk=s.draft_loss_chunk,
+                      kl_weight=run.kl_weight, ce_weight=run.ce_weight, max_positions=run.max_positions,
+                      loss_chunk=s.draft_loss_chunk,
                       save_every=save_every or steps, log_every=s.log_every, progress=False, seed=SEED)
     draft = None
     if run.init is not None and not os.path.isfile(os.path.join(out_dir, "latest")):  # a resume loads its own

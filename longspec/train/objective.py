@@ -68,7 +68,7 @@ def next_token_labels(input_ids: Tensor) -> Tensor:
 
 
 def step_loss(draft, target, input_ids: Tensor, positions: Tensor, delta: int, kl_weight: float = 0.0,
-              chunk: int = 1024) -> tuple[Tensor, int]:
+              chunk: int = 1024, ce_weight: float = 1.0) -> tuple[Tensor, int]:
     """Summed loss of one micro-batch and its token count (see :func:`chunked_lm_loss`)."""
     t = run_target(target, input_ids, positions)
     pos = positions[None].expand(input_ids.shape[0], -1).to(input_ids.device)
@@ -77,4 +77,5 @@ def step_loss(draft, target, input_ids: Tensor, positions: Tensor, delta: int, k
     H = hidden.shape[-1]
     weight = target.get_output_embeddings().weight
     return chunked_lm_loss(hidden.reshape(-1, H), weight, labels.reshape(-1), chunk=chunk,
-                           target_hidden=t.hidden.reshape(-1, H) if kl_weight > 0 else None, kl_weight=kl_weight)
+                           target_hidden=t.hidden.reshape(-1, H) if kl_weight > 0 else None, kl_weight=kl_weight,
+                           ce_weight=ce_weight)

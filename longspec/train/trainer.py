@@ -55,6 +55,7 @@ class TrainConfig:
     flash_noisy: bool = True
     delta_max: int = 5
     kl_weight: float = 0.0
+    ce_weight: float = 1.0  # 0 with kl_weight > 0: pure distillation to the target (see chunked_lm_loss)
     loss_chunk: int = 1024
     draft_vocab_size: int = 0  # > 0: checkpoints carry the N most frequent training tokens (draft_vocab.json)
     bf16: bool = True  # autocast on CUDA
@@ -70,6 +71,9 @@ class TrainConfig:
             raise ValueError("steps, batch_size and grad_accum must be >= 1")
         if self.delta_max < 1:
             raise ValueError(f"delta_max must be >= 1, got {self.delta_max}")
+        if self.ce_weight < 0 or self.kl_weight < 0 or self.ce_weight + self.kl_weight == 0:
+            raise ValueError(f"ce_weight ({self.ce_weight}) and kl_weight ({self.kl_weight}) must be >= 0 and not "
+                             "both 0")
         max_pos = self.max_positions or target.config.max_position_embeddings
         if self.data.seq_len > max_pos:
             raise ValueError(f"data.seq_len ({self.data.seq_len}) is longer than the target supports "
@@ -271,7 +275,7 @@ def _micro_batch(model, target, data, rng, cfg: TrainConfig, max_pos: int, d: _D
     ctx = no_sync() if (no_sync is not None and not last) else _null()
     with ctx:
         with autocast:
-            loss_sum, n = step_loss(model, target, ids, pos, delta, cfg.kl_weight, cfg.loss_chunk)
+            loss_sum, n = step_loss(model, target, ids, pos, delta, cfg.kl_weight, cfg.loss_chunk, cfg.ce_weight)
         (loss_sum / (n * cfg.grad_accum)).backward()
     return float(loss_sum.detach()) / n, n
 

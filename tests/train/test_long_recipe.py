@@ -299,12 +299,12 @@ def test_deep_scale_is_shaped_like_real_targets_and_fits_the_package():
 def test_long_steps_zero_adopts_the_init_target_and_continues_the_draft(base_pair, fake_site, tmp_path):
     """long_steps=0 (a draft continued against its final target, over several device calls): the recipe's target
     is the init target byte for byte (its tokenizer too), at its own RoPE base, without stage data's token file, and
-    the draft starts from --init-draft."""
+    the draft starts from --init-draft, here under pure distillation (long_draft_ce_weight=0)."""
     from safetensors.torch import load_file
 
     from longspec import LongSpecDraft
 
-    s = scale_with(SCALES["tiny"], ["long_steps=0"])
+    s = scale_with(SCALES["tiny"], ["long_steps=0", "long_draft_ce_weight=0"])
     out = tmp_path / "adopt"
     rec = run_recipe(str(out), s, roots=fake_site, device="cpu", stages=("target", "drafts"),
                      init_target=str(base_pair / "target"), init_draft=str(base_pair / "init_draft"))
@@ -315,6 +315,9 @@ def test_long_steps_zero_adopts_the_init_target_and_continues_the_draft(base_pai
     assert t["adopted"] and t["steps"] == 0 and t["rope_theta"]["to"] == rec["init"]["target"]["rope_theta"]
     assert set(t["heldout_loss_by_context"]) == set(rec["init"]["target"]["heldout_loss"]) == {"256", "1024"}
     assert rec["draft"]["run"]["init"] == str(base_pair / "init_draft") and rec["draft"]["steps"] == s.draft_steps
+    assert (rec["draft"]["run"]["ce_weight"], rec["draft"]["run"]["kl_weight"]) == (0.0, 1.0)
+    cfg = json.loads((out / "draft" / "train_config.json").read_text())
+    assert (cfg["ce_weight"], cfg["kl_weight"]) == (0.0, 1.0)
     summary = export_pair(str(out), str(tmp_path / "ship"))
     assert summary["target"]["steps"] == 0 and summary["init"]["draft"]["sha256"]
     from transformers import AutoModelForCausalLM

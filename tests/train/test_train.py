@@ -229,6 +229,28 @@ def test_chunked_loss_matches_full_cross_entropy():
     torch.testing.assert_close(grad, h.grad)
 
 
+def test_chunked_loss_weights_ce_and_kl():
+    """ce_weight * CE + kl_weight * KL(p_target || q_draft), each term against a dense float64 reference; ce_weight 0
+    is pure distillation (its gradient pulls the draft's distribution to the target's, not to the data's token)."""
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(21, 8, generator=g, dtype=torch.float64)
+    th = torch.randn(21, 8, generator=g, dtype=torch.float64)
+    w = torch.randn(30, 8, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 30, (21,), generator=g)
+    labels[[2, 20]] = -100
+    keep = labels != -100
+    logq, logp = torch.log_softmax(h @ w.t(), -1), torch.log_softmax(th @ w.t(), -1)
+    ce = torch.nn.functional.nll_loss(logq, labels, reduction="sum")
+    kl = (logp.exp() * (logp - logq)).sum(-1)[keep].sum()
+    for ce_w, kl_w in ((1.0, 0.5), (0.0, 1.0), (2.0, 0.0)):
+        loss, n = chunked_lm_loss(h, w, labels, chunk=5, target_hidden=th, kl_weight=kl_w, ce_weight=ce_w)
+        assert n == 19
+        torch.testing.assert_close(loss, (ce_w * ce + kl_w * kl).float(), rtol=1e-5, atol=1e-5)
+    for ce_w, kl_w in ((0.0, 0.0), (-1.0, 1.0), (1.0, -0.5)):
+        with pytest.raises(ValueError, match=r"ce_weight \(.*\) and kl_weight \(.*\) must be >= 0"):
+            chunked_lm_loss(h, w, labels, target_hidden=th, kl_weight=kl_w, ce_weight=ce_w)
+
+
 # --- the loop ---------------------------------------------------------------------------------------------------
 
 
@@ -282,6 +304,10 @@ def test_checkpoints_carry_the_most_frequent_training_tokens(tmp_path):
 def test_kl_distillation_term_runs(tmp_path):
     hist = train(config(tmp_path, steps=2, kl_weight=0.5), tiny_target(), CharTokenizer())
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in hist)
+    pure = train(config(tmp_path / "kl", steps=2, kl_weight=1.0, ce_weight=0.0), tiny_target(), CharTokenizer())
+    assert all(0 <= h["loss"] < float("inf") for h in pure)  # a KL alone: finite and >= 0
+    with pytest.raises(ValueError, match=r"ce_weight \(0.0\) and kl_weight \(0.0\) must be >= 0 and not both 0"):
+        train(config(tmp_path / "none", steps=1, ce_weight=0.0), tiny_target(), CharTokenizer())
 
 
 def test_bad_configuration(tmp_path):
