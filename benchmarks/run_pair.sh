@@ -9,7 +9,8 @@
 #   phase 3: end-to-end benchmark, the pair's round costs.
 #   phase cont: the draft trained on from INIT_DRAFT (default the shipped one) against the shipped target, unchanged
 #     (long-context mode with long_steps=0: one more warm-up + cosine schedule of draft_seconds); returns its export.
-#     E2E_ARGS: then bench_e2e on the continued pair with these arguments; PROFILE=1: then a draft-training step
+#     E2E_ARGS: then bench_e2e on the continued pair with these arguments (E2E_SHIPPED=1: and on the shipped pair,
+#     into $OUT/shipped); PROFILE=1: then a draft-training step
 #     under the profiler (benchmarks/profile_draft_train.py).
 #   phase e2e: bench_e2e on the shipped pair (longspec/assets/code-pair) with E2E_ARGS, its held-out split rebuilt
 #     from this machine's standard library (what the recipe's corpus stage writes; 32 s on an H100 machine).
@@ -93,6 +94,12 @@ cont)
     timeout "${E2E_TIMEOUT:-200}" python3 -m benchmarks.bench_e2e --pair "$PAIR" "${e2e_args[@]}" --out "$OUT" 2>&1 \
       | grep -v "Loading weights\|Writing model" | tail -30
     elapsed "e2e done"
+    if [ "${E2E_SHIPPED:-0}" = 1 ]; then  # the shipped pair on the same prompts, for the comparison
+      timeout "${E2E_TIMEOUT:-200}" python3 -m benchmarks.bench_e2e --pair longspec/assets/code-pair \
+        --heldout "$PAIR/corpus/heldout.jsonl" "${e2e_args[@]}" --out "$OUT/shipped" 2>&1 \
+        | grep -v "Loading weights\|Writing model" | tail -30
+      elapsed "e2e of the shipped pair done"
+    fi
   fi
   [ "${PROFILE:-0}" = 1 ] && { timeout "${PROFILE_TIMEOUT:-90}" python3 -m benchmarks.profile_draft_train --data "$PAIR/corpus/draft.jsonl" \
       --steps 10 --out "$OUT" 2>&1 | head -45; elapsed "profile done"; }
