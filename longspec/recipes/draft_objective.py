@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import itertools
 import json
 import os
 import sysconfig
@@ -77,6 +78,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target-steps", type=int, default=400)
     ap.add_argument("--draft-steps", type=int, default=300)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0], help="draft seeds (initialisation and data order)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "cpu"))
     a = ap.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -85,14 +87,15 @@ def main() -> None:
     target = train_target(train_files, a.target_steps, seq_len=256, batch=8)
     prompts = held_out_prompts(held, n=8, length=1024)
     rows = []
-    for name, ce, kl in (("CE", 1.0, 0.0), ("CE + 1.0 KL", 1.0, 1.0), ("KL", 0.0, 1.0)):
+    for seed, (name, ce, kl) in itertools.product(a.seeds, (("CE", 1.0, 0.0), ("CE + 1.0 KL", 1.0, 1.0),
+                                                            ("KL", 0.0, 1.0))):
         with tempfile.TemporaryDirectory() as out:
             cfg = TrainConfig(data=DataConfig(paths=train_files, seq_len=512), out_dir=out, steps=a.draft_steps,
-                              batch_size=4, lr=2e-3, save_every=10**9, log_every=50, progress=False, seed=0,
+                              batch_size=4, lr=2e-3, save_every=10**9, log_every=50, progress=False, seed=seed,
                               kl_weight=kl, ce_weight=ce)
             hist = train(cfg, target, ByteTokenizer())
             draft = LongSpecDraft.from_pretrained(os.path.join(out, f"checkpoint-{a.draft_steps}"), target=target)
-        row = {"objective": name, "final_loss": hist[-1]["loss"],
+        row = {"objective": name, "seed": seed, "final_loss": hist[-1]["loss"],
                "tau_tree_4-4-4-4": tau(target, draft, prompts, (4, 4, 4, 4), 48),
                "tau_chain_4": tau(target, draft, prompts, (1, 1, 1, 1), 48)}
         print(row, flush=True)
