@@ -62,7 +62,8 @@ max_position_embeddings 131072; drafts on 32k x 1 windows with KL weight 1 for 1
 per variant on 1024 x 32 windows. ``h200-deep`` (issue 33): hidden 256, 16 layers, 4 / 2 heads, MLP 896 (16.3M
 parameters), rope_theta 1e7 and 131072 positions; 440 s of target training whose windows grow (``target_windows``:
 60% of the steps on 2k x 32, 30% 8k x 8, 7% 32k x 2, 3% 64k x 1); the draft on 32k x 1 windows with KL weight 1
-for 420 s; the shipped pair since 2026-12-05. (The old 8-layer pair,
+for 420 s, continued (long-context mode) by pure distillation (``long_draft_ce_weight=0``); the shipped pair since
+2026-12-05. (The old 8-layer pair,
 ``benchmarks/results/h200/recipe.json``, predates the
 long-window quarter and this mode: its target saw 8k windows only, and its tau falls beyond 8k.)
 """

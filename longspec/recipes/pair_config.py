@@ -117,14 +117,16 @@ SCALES = {
 # then 8k, 32k and 64k (the first deep run spent 10% of its steps, 39% of its time, on 64k windows). The rest as
 # h200, with budgets that leave each device call room for its other work. A continued draft (long-context mode) takes
 # two 32k windows a step with 8192-token loss chunks: 424k tokens/s on an H100, against ~240k for one window a step
-# with 1024-token chunks on an H200 (the step was host-bound; recipe_deep_cont2.json).
+# with 1024-token chunks on an H200 (the step was host-bound; recipe_deep_cont2.json). It learns by pure distillation
+# (long_draft_ce_weight=0, KL to the target only): its fourth continuation so raised the tree's tau in every cell
+# measured, and KL alone accepted the most in the CPU experiment (benchmarks/results/h100/NOTES.md, 2026-12-06).
 SCALES["h200-deep"] = dataclasses.replace(
     SCALES["h200"], name="h200-deep", hidden=256, intermediate=896, layers=16, heads=4, kv_heads=2,
     max_positions=131072, rope_theta=10_000_000.0, target_long_seq=65536, target_long_ratio=0.1,
     target_windows=((2048, 32, 0.6), (8192, 8, 0.3), (32768, 2, 0.07), (65536, 1, 0.03)),
     target_steps=20000, target_seconds=440.0, draft_seq=32768, draft_batch=1, draft_steps=20000,
     draft_seconds=420.0, draft_kl_weight=1.0, long_steps=20000, long_seconds=420.0, long_draft_batch=2,
-    draft_loss_chunk=8192)
+    draft_loss_chunk=8192, long_draft_ce_weight=0.0)
 STAGES = ("data", "target", "drafts", "short")
 DEFAULT_STAGES = ("data", "target", "drafts")
 
