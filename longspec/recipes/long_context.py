@@ -119,18 +119,22 @@ def heldout_windows(tokens: np.ndarray, context: int, windows: int, seed: int, d
 
 
 @torch.no_grad()
-def draft_heldout_loss(draft, target, tokens: np.ndarray, contexts: Sequence[int], windows: int,
-                       device: torch.device, delta: int = 1, seed: int = 3, chunk: int = 1024) -> dict[int, float]:
-    """Mean next-token cross-entropy of ``draft`` on held-out windows of each length in ``contexts``:
-    ``{context: loss}``.
+def draft_heldout_metrics(draft, target, tokens: np.ndarray, contexts: Sequence[int], windows: int,
+                          device: torch.device, delta: int = 1, seed: int = 3, chunk: int = 1024) -> dict[int, dict]:
+    """How well ``draft`` predicts held-out windows of each length in ``contexts``, in one pass:
+    ``{context: {"ce": .., "kl": .., "top1": ..}}``, means over every position but each window's last.
 
-    Each window runs as at inference: plain positions 0..L-1 (no anchor offset), the target's last-layer K/V of
-    the whole window, the draft's cross-attention lagging ``delta`` positions (1: what the re-fed tokens of a round
-    see). The loss is the training objective's CE term over every position of the window, so at L = 32k it is
-    dominated by positions far past short training windows. The windows are drawn from ``seed`` and the context
-    alone, so every draft (and every checkpoint) is scored on the same tokens.
+    Each window runs as at inference: plain positions 0..L-1 (no anchor offset), the target's last-layer K/V of the
+    whole window, the draft's cross-attention lagging ``delta`` positions (1: what the re-fed tokens of a round
+    see). ``ce``: cross-entropy on the data's next token (the training objective's CE term), so at L = 32k it is
+    dominated by positions far past short training windows. ``kl``: KL(target || draft) of the next-token
+    distributions (the distillation term). ``top1``: the share of positions where the draft's most likely next token
+    is the target's, what a greedy depth-1 draft gets accepted on. The windows are drawn from ``seed`` and the
+    context alone, so every draft (and every checkpoint) is scored on the same tokens.
     """
-    from longspec.train.objective import prepare_target, step_loss
+    import torch.nn.functional as F
+
+    from longspec.train.objective import next_token_labels, prepare_target, run_target
 
     if windows < 1:
         raise ValueError(f"windows must be >= 1, got {windows}")
@@ -138,19 +142,40 @@ def draft_heldout_loss(draft, target, tokens: np.ndarray, contexts: Sequence[int
     was_training = draft.training
     draft.eval()
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    weight = target.get_output_embeddings().weight
     out = {}
     try:
         for ctx in contexts:
-            total, count = 0.0, 0
+            ce = kl = agree = 0.0
+            count = 0
             for ids in heldout_windows(tokens, ctx, windows, seed, device):
+                pos = torch.arange(ctx, device=device)
                 with autocast:
-                    loss_sum, n = step_loss(draft, target, ids, torch.arange(ctx, device=device), delta, 0.0, chunk)
-                total += float(loss_sum)
-                count += n
-            out[int(ctx)] = total / count
+                    t = run_target(target, ids, pos)
+                    hidden = draft(ids, t.k, t.v, position_ids=pos[None].expand(ids.shape[0], -1), delta=delta)
+                    H = hidden.shape[-1]
+                    hidden, t_hidden = hidden.reshape(-1, H), t.hidden.reshape(-1, H)
+                    labels = next_token_labels(ids).reshape(-1)
+                    for s in range(0, labels.shape[0], chunk):
+                        keep = labels[s:s + chunk] >= 0
+                        logq = torch.log_softmax((hidden[s:s + chunk] @ weight.t()).float()[keep], dim=-1)
+                        logp = torch.log_softmax((t_hidden[s:s + chunk] @ weight.t()).float()[keep], dim=-1)
+                        ce += float(F.nll_loss(logq, labels[s:s + chunk][keep], reduction="sum"))
+                        kl += float((logp.exp() * (logp - logq)).sum())
+                        agree += float((logq.argmax(-1) == logp.argmax(-1)).sum())
+                        count += int(keep.sum())
+            out[int(ctx)] = {"ce": ce / count, "kl": kl / count, "top1": agree / count}
     finally:
         draft.train(was_training)
     return out
+
+
+def draft_heldout_loss(draft, target, tokens: np.ndarray, contexts: Sequence[int], windows: int,
+                       device: torch.device, delta: int = 1, seed: int = 3, chunk: int = 1024) -> dict[int, float]:
+    """Mean next-token cross-entropy of ``draft`` on held-out windows of each length in ``contexts``:
+    ``{context: loss}`` (the ``ce`` of :func:`draft_heldout_metrics`, which says how the windows run)."""
+    return {c: m["ce"] for c, m in draft_heldout_metrics(draft, target, tokens, contexts, windows, device, delta, seed,
+                                                        chunk).items()}
 
 
 @torch.no_grad()

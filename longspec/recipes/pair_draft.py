@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from longspec.recipes.long_context import (block_sample, draft_heldout_loss, draft_tau, steps_to_equal_loss,
-                                          target_heldout_loss)
+from longspec.recipes.long_context import (block_sample, draft_heldout_loss, draft_heldout_metrics, draft_tau,
+                                          steps_to_equal_loss, target_heldout_loss)
 from longspec.recipes.pair_config import SEED, Scale, _loss_summary
 from longspec.recipes.pair_data import _Recipe, _tokenizer
 from longspec.recipes.pair_target import _load_target_fp32, budget_steps
@@ -103,22 +103,26 @@ CURVE_POINTS = 8
 
 
 def checkpoint_curve(out_dir: str, final: str, target, held: np.ndarray, contexts, windows: int,
-                     device: torch.device) -> list:
+                     device: torch.device) -> tuple[list, list]:
     """``[[step, {context: held-out loss}], ...]`` for every ``checkpoint-*`` of a run in ``out_dir``, step
-    ascending; every checkpoint but ``final`` is removed once scored."""
+    ascending, and beside it, from the same pass, ``[[step, {context: {"kl": .., "top1": ..}}], ...]`` (the
+    draft's match with the target: :func:`~longspec.recipes.long_context.draft_heldout_metrics`); every checkpoint
+    but ``final`` is removed once scored."""
     from longspec.model.draft import LongSpecDraft
     from longspec.runs import checkpoint_step
 
-    curve = []
+    curve, match = [], []
     ckpts = sorted((d for d in os.listdir(out_dir) if d.startswith("checkpoint-")),
                    key=lambda d: checkpoint_step(Path(d)))
     for d in ckpts:
         draft = LongSpecDraft.from_pretrained(os.path.join(out_dir, d), target=target)
-        losses = draft_heldout_loss(draft, target, held, contexts, windows, device)
-        curve.append([int(d.split("-")[1]), {str(k): v for k, v in losses.items()}])
+        metrics = draft_heldout_metrics(draft, target, held, contexts, windows, device)
+        step = int(d.split("-")[1])
+        curve.append([step, {str(k): m["ce"] for k, m in metrics.items()}])
+        match.append([step, {str(k): {"kl": m["kl"], "top1": m["top1"]} for k, m in metrics.items()}])
         if os.path.join(out_dir, d) != final:
             shutil.rmtree(os.path.join(out_dir, d))
-    return curve
+    return curve, match
 
 
 def steps_to_loss(history: list[dict], level: float, smooth: int = 20) -> int | None:
@@ -175,7 +179,8 @@ def _stage_drafts(r: _Recipe, ablations: bool, draft_steps: int | None) -> None:
                                                 save_every=max(1, steps // CURVE_POINTS) if contexts else None)
             heldout.pop(name, None)
             if contexts:  # the curve's last point is the final checkpoint's held-out loss
-                curves[name] = checkpoint_curve(out_dir, ckpt, target, held, contexts, s.short_eval_windows, dev)
+                curves[name], record.setdefault("draft_heldout_match", {})[name] = checkpoint_curve(
+                    out_dir, ckpt, target, held, contexts, s.short_eval_windows, dev)
                 heldout[name] = curves[name][-1][1]
         checkpoints[name] = ckpt
         if contexts and name not in heldout:
@@ -241,7 +246,8 @@ def _stage_short(r: _Recipe) -> None:
             continue
         history, final = train_draft(target, tokenizer, data, out_dir, s, steps, anchor_offset=anchor,
                                      flash_noisy=True, run=run, save_every=every)
-        curves[name] = checkpoint_curve(out_dir, final, target, held, contexts, s.short_eval_windows, dev)
+        curves[name], entry.setdefault("match", {})[name] = checkpoint_curve(out_dir, final, target, held, contexts,
+                                                                            s.short_eval_windows, dev)
         entry.setdefault("train_loss", {})[name] = _loss_summary(history, s.log_every)
         draft = LongSpecDraft.from_pretrained(final, target=target)
         taus[name] = {str(k): v for k, v in draft_tau(target, draft, tokenizer, r.heldout_jsonl, contexts,

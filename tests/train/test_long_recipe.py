@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from longspec.recipes.code_pair import SCALES, export_pair, main, run_recipe, scale_with
-from longspec.recipes.long_context import (block_sample, draft_heldout_loss, ntk_rope_theta, parse_windows,
-                                           phase_steps, steps_to_equal_loss, window_tokens)
+from longspec.recipes.long_context import (block_sample, draft_heldout_loss, draft_heldout_metrics, ntk_rope_theta,
+                                           parse_windows, phase_steps, steps_to_equal_loss, window_tokens)
 from longspec.recipes.pair_target import scratch_run
 from longspec.train.corpus import iter_records
 
@@ -103,9 +103,10 @@ def test_draft_heldout_loss_is_plain_position_next_token_ce():
     from longspec.recipes.long_context import random_windows
     from longspec.train.objective import run_target
 
+    metrics = draft_heldout_metrics(draft, target, tokens, [40, 96], windows=2, device=torch.device("cpu"), chunk=32)
     for ctx in (40, 96):
         gen = torch.Generator().manual_seed(3 * 1_000_003 + ctx)
-        total = count = 0
+        total = kl = agree = count = 0
         for _ in range(2):
             ids = random_windows(tokens, ctx, 1, gen)
             pos = torch.arange(ctx)
@@ -113,9 +114,16 @@ def test_draft_heldout_loss_is_plain_position_next_token_ce():
                 t = run_target(target, ids, pos)
                 hidden = draft(ids, t.k, t.v, position_ids=pos[None], delta=1)
                 logits = hidden @ target.get_output_embeddings().weight.t()
+                t_logits = target(ids).logits  # the target's own next-token distribution
             total += float(F.cross_entropy(logits[0, :-1].float(), ids[0, 1:], reduction="sum"))
+            logq, logp = logits[0, :-1].double().log_softmax(-1), t_logits[0, :-1].double().log_softmax(-1)
+            kl += float((logp.exp() * (logp - logq)).sum())
+            agree += int((logq.argmax(-1) == logp.argmax(-1)).sum())
             count += ctx - 1
         assert got[ctx] == pytest.approx(total / count, rel=1e-5)
+        assert metrics[ctx]["ce"] == pytest.approx(total / count, rel=1e-5)
+        assert metrics[ctx]["kl"] == pytest.approx(kl / count, rel=1e-4) and metrics[ctx]["kl"] > 0
+        assert metrics[ctx]["top1"] == agree / count and 0 < agree < count
     assert draft_heldout_loss(draft, target, tokens, [40], 2, torch.device("cpu")) == {40: got[40]}
 
 
@@ -201,7 +209,7 @@ def test_tiny_long_context_recipe_continues_the_init_target(base_pair, fake_site
 
     short = rec["short_ablation"]
     assert short["run"]["seq"] == s.short_seq and short["anchor_reach"] == s.long_to_seq
-    assert short["eval_every"] == 2 and set(short["curves"]) == {"short_anchor", "short_plain"}
+    assert short["eval_every"] == 2 and set(short["curves"]) == set(short["match"]) == {"short_anchor", "short_plain"}
     for name, curve in short["curves"].items():
         assert [step for step, _ in curve] == [2, 4] and set(curve[0][1]) == {"512", "1024"}
         assert all(math.isfinite(v) for _, losses in curve for v in losses.values())

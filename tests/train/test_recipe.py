@@ -149,6 +149,9 @@ def test_tiny_recipe_in_stages_with_budgets_decodes_exactly(fake_site, tmp_path)
     # every checkpoint scored on held-out windows (the curve), the last one's loss the draft's, beside the target's
     curve = record["draft_heldout_curves"]["draft"]
     assert [step for step, _ in curve] == [1, 2] and curve[-1][1] == record["draft"]["heldout_loss"]
+    match = record["draft_heldout_match"]["draft"]  # the same pass: KL to the target and top-1 agreement
+    assert [step for step, _ in match] == [1, 2] and set(match[-1][1]) == set(curve[-1][1])
+    assert all(m["kl"] >= 0 and 0 <= m["top1"] <= 1 for _, by_ctx in match for m in by_ctx.values())
     assert set(record["draft_heldout_loss"]["target"]) == set(curve[-1][1]) == {str(c) for c in
                                                                                 scale.draft_eval_contexts}
     assert sorted(p.name for p in (out / "draft").glob("checkpoint-*")) == ["checkpoint-2"]
