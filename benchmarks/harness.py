@@ -45,9 +45,15 @@ def environment() -> dict:
         triton_version = None
     sha = os.environ.get("LONGSPEC_GIT_SHA")
     if not sha:
+        root = Path(__file__).resolve().parent.parent
         try:
             sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-                                 cwd=Path(__file__).parent).stdout.strip()
+                                 cwd=root).stdout.strip()
+            # sources that differ from HEAD (uncommitted work, or a copied tree whose .git is older than its files,
+            # as on the device machine): the commit alone would name code that did not run
+            changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", *SOURCE_DIRS],
+                                     capture_output=True, text=True, check=True, cwd=root).stdout.strip()
+            sha += "+wip" if changed else ""
         except (OSError, subprocess.CalledProcessError):
             sha = "unknown"
     import longspec_ops
