@@ -30,6 +30,12 @@ def _chunk_loss(hidden: Tensor, weight: Tensor, labels: Tensor, target_hidden: T
     return loss
 
 
+def check_loss_weights(ce_weight: float, kl_weight: float) -> None:
+    """The loss's two weights: each >= 0, not both 0 (a ValueError naming both)."""
+    if ce_weight < 0 or kl_weight < 0 or ce_weight + kl_weight == 0:
+        raise ValueError(f"ce_weight ({ce_weight}) and kl_weight ({kl_weight}) must be >= 0 and not both 0")
+
+
 def chunked_lm_loss(
     hidden: Tensor,
     weight: Tensor,
@@ -53,8 +59,7 @@ def chunked_lm_loss(
         raise ValueError(f"hidden has {hidden.shape[0]} tokens but labels has {labels.shape[0]}")
     if kl_weight > 0 and target_hidden is None:
         raise ValueError("kl_weight > 0 needs target_hidden")
-    if ce_weight < 0 or kl_weight < 0 or ce_weight + kl_weight == 0:
-        raise ValueError(f"ce_weight ({ce_weight}) and kl_weight ({kl_weight}) must be >= 0, not both 0")
+    check_loss_weights(ce_weight, kl_weight)
     total = hidden.new_zeros((), dtype=torch.float32)
     for s in range(0, hidden.shape[0], chunk):
         e = s + chunk

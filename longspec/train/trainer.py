@@ -22,6 +22,7 @@ import torch.distributed as dist
 from longspec.runs import LATEST, latest_checkpoint
 
 from .data import DataConfig, PackedStream, Prefetch, batches
+from .loss import check_loss_weights
 from .objective import prepare_target, step_loss
 from .positions import anchor_offset_positions
 
@@ -71,9 +72,7 @@ class TrainConfig:
             raise ValueError("steps, batch_size and grad_accum must be >= 1")
         if self.delta_max < 1:
             raise ValueError(f"delta_max must be >= 1, got {self.delta_max}")
-        if self.ce_weight < 0 or self.kl_weight < 0 or self.ce_weight + self.kl_weight == 0:
-            raise ValueError(f"ce_weight ({self.ce_weight}) and kl_weight ({self.kl_weight}) must be >= 0 and not "
-                             "both 0")
+        check_loss_weights(self.ce_weight, self.kl_weight)  # before any weight or data is loaded
         max_pos = self.max_positions or target.config.max_position_embeddings
         if self.data.seq_len > max_pos:
             raise ValueError(f"data.seq_len ({self.data.seq_len}) is longer than the target supports "
