@@ -2,10 +2,11 @@
 KL to the target alone (pure distillation)?
 
 A small experiment that runs on a CPU in a few minutes: train a small byte-level Llama target on Python source
-(standard-library files, split by file into training and held-out sets), then two LongSpec drafts for it from the
-same initialisation with the project's trainer (anchor-offset positions and flash noisy training on), one per
-objective (``ce_weight`` / ``kl_weight`` 1 / 0, 1 / 1 and 0 / 1); measure tau (tokens per target forward, greedy) of each on held-out
-prompts with the 4-4-4-4 tree and a chain of 4. Usage: ``python -m longspec.recipes.draft_objective``.
+(standard-library files, split by file into training and held-out sets), then for each draft seed three LongSpec
+drafts for it from the same initialisation with the project's trainer (anchor-offset positions and flash noisy
+training on), one per objective (``ce_weight`` / ``kl_weight`` 1 / 0, 1 / 1 and 0 / 1); measure tau (tokens per
+target forward, greedy) of each on held-out prompts with the 4-4-4-4 tree and a chain of 4. Usage: ``python -m
+longspec.recipes.draft_objective [--seeds 0 1 2]``.
 """
 from __future__ import annotations
 
