@@ -27,8 +27,8 @@ Usage: ``python -m longspec.recipes.code_pair --out DIR [--scale tiny|h200] [--a
    scored by held-out loss at ``draft_eval_contexts`` (``recipe.json``: ``draft_heldout_curves``, beside the
    target's loss on the same windows, ``draft_heldout_loss["target"]``; and, from the same pass,
    ``draft_heldout_match``: KL to the target and the share of positions whose top-1 token is the target's), so the
-   record shows whether the loss still falls; from scratch, windows longer than the target's are block samples too, and ``draft_kl_weight`` adds the
-   KL term.
+   record shows whether the loss still falls; from scratch, windows longer than the target's are block samples too,
+   and ``draft_kl_weight`` adds the KL term.
 5. Stage ``short`` (the paper's regime for anchor-offset, arXiv 2502.17421 section 3.2): two fresh drafts trained
    on short windows (``short_seq`` <= 1.2k tokens), one with anchor-offset positions reaching ``long_to_seq``, one
    with plain positions; every ``1/short_evals`` of the run a checkpoint is scored by held-out loss at
