@@ -134,6 +134,7 @@ def draft_heldout_metrics(draft, target, tokens: np.ndarray, contexts: Sequence[
     """
     import torch.nn.functional as F
 
+    from longspec.train.loss import IGNORE_INDEX, token_kl
     from longspec.train.objective import next_token_labels, prepare_target, run_target
 
     if windows < 1:
@@ -146,8 +147,8 @@ def draft_heldout_metrics(draft, target, tokens: np.ndarray, contexts: Sequence[
     out = {}
     try:
         for ctx in contexts:
-            ce = kl = agree = 0.0
-            count = 0
+            ce, kl, agree, count = (torch.zeros((), dtype=dt, device=device)  # summed on the device: one sync
+                                    for dt in (torch.float64, torch.float64, torch.int64, torch.int64))
             for ids in heldout_windows(tokens, ctx, windows, seed, device):
                 pos = torch.arange(ctx, device=device)
                 with autocast:
@@ -156,15 +157,17 @@ def draft_heldout_metrics(draft, target, tokens: np.ndarray, contexts: Sequence[
                     H = hidden.shape[-1]
                     hidden, t_hidden = hidden.reshape(-1, H), t.hidden.reshape(-1, H)
                     labels = next_token_labels(ids).reshape(-1)
-                    for s in range(0, labels.shape[0], chunk):
-                        keep = labels[s:s + chunk] >= 0
-                        logq = torch.log_softmax((hidden[s:s + chunk] @ weight.t()).float()[keep], dim=-1)
-                        logp = torch.log_softmax((t_hidden[s:s + chunk] @ weight.t()).float()[keep], dim=-1)
-                        ce += float(F.nll_loss(logq, labels[s:s + chunk][keep], reduction="sum"))
-                        kl += float((logp.exp() * (logp - logq)).sum())
-                        agree += float((logq.argmax(-1) == logp.argmax(-1)).sum())
-                        count += int(keep.sum())
-            out[int(ctx)] = {"ce": ce / count, "kl": kl / count, "top1": agree / count}
+                    for s in range(0, labels.shape[0], chunk):  # masks, not boolean indexing: no host sync
+                        lab = labels[s:s + chunk]
+                        keep = lab != IGNORE_INDEX
+                        logq = torch.log_softmax((hidden[s:s + chunk] @ weight.t()).float(), dim=-1)
+                        logp = torch.log_softmax((t_hidden[s:s + chunk] @ weight.t()).float(), dim=-1)
+                        ce += F.nll_loss(logq, lab, ignore_index=IGNORE_INDEX, reduction="sum")
+                        kl += (token_kl(logp, logq) * keep).sum()
+                        agree += ((logq.argmax(-1) == logp.argmax(-1)) & keep).sum()
+                        count += keep.sum()
+            n = int(count)
+            out[int(ctx)] = {"ce": float(ce) / n, "kl": float(kl) / n, "top1": int(agree) / n}
     finally:
         draft.train(was_training)
     return out

@@ -25,9 +25,14 @@ def _chunk_loss(hidden: Tensor, weight: Tensor, labels: Tensor, target_hidden: T
             t_logp = torch.log_softmax((target_hidden @ target_weight.t()).float(), dim=-1)
         logq = torch.log_softmax(logits, dim=-1)
         keep = (labels != IGNORE_INDEX).float()
-        kl = (t_logp.exp() * (t_logp - logq)).sum(-1)  # KL(p_target || q_draft) per token
+        kl = token_kl(t_logp, logq)
         loss = loss + kl_weight * (kl * keep).sum()
     return loss
+
+
+def token_kl(t_logp: Tensor, logq: Tensor) -> Tensor:
+    """KL(p_target || q_draft) per row, from float32 log-probabilities [..., V] -> [...]."""
+    return (t_logp.exp() * (t_logp - logq)).sum(-1)
 
 
 def check_loss_weights(ce_weight: float, kl_weight: float) -> None:
