@@ -81,6 +81,9 @@ class Scale:
     draft_loss_chunk: int = 1024
     # the long-context drafts' CE term (0: pure distillation, KL to the target only; see chunked_lm_loss)
     long_draft_ce_weight: float = 1.0
+    # the continued draft's MLP units (None: the init draft's); more than it has widens it without changing its
+    # function first (longspec.model.draft_grow.widen_mlp)
+    long_draft_intermediate: int | None = None
 
 
 SCALES = {

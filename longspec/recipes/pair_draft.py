@@ -46,7 +46,8 @@ SHORT_VARIANTS = {"short_anchor": True, "short_plain": False}
 @dataclass(frozen=True)
 class DraftRun:
     """One draft training run's settings (besides the ablation switches): windows, LR, KL weight, the
-    anchor-offset reach (None: the target's max_position_embeddings) and the draft to start from (None: fresh)."""
+    anchor-offset reach (None: the target's max_position_embeddings), the draft to start from (None: fresh), the CE
+    weight and the MLP units to widen the init draft to (None: as it is)."""
 
     seq: int
     batch: int
@@ -55,6 +56,7 @@ class DraftRun:
     max_positions: int | None = None
     init: str | None = None
     ce_weight: float = 1.0
+    intermediate: int | None = None
 
 
 def scratch_draft_run(s: Scale) -> DraftRun:
@@ -63,7 +65,7 @@ def scratch_draft_run(s: Scale) -> DraftRun:
 
 def long_draft_run(s: Scale, init_draft: str | None) -> DraftRun:
     return DraftRun(s.long_draft_seq, s.long_draft_batch, s.long_draft_lr, s.long_draft_kl_weight, s.long_to_seq,
-                    init_draft, s.long_draft_ce_weight)
+                    init_draft, s.long_draft_ce_weight, s.long_draft_intermediate)
 
 
 def short_draft_run(s: Scale, long_mode: bool) -> DraftRun:
@@ -82,8 +84,14 @@ def train_draft(target, tokenizer, data_jsonl: str, out_dir: str, s: Scale, step
                       loss_chunk=s.draft_loss_chunk,
                       save_every=save_every or steps, log_every=s.log_every, progress=False, seed=SEED)
     draft = None
+    if run.intermediate is not None and run.init is None:
+        raise ValueError(f"long_draft_intermediate ({run.intermediate}) widens a trained draft: it needs --init-draft")
     if run.init is not None and not os.path.isfile(os.path.join(out_dir, "latest")):  # a resume loads its own
         draft = LongSpecDraft.from_pretrained(run.init, target=target, dtype=torch.float32)
+        if run.intermediate is not None and run.intermediate != draft.config.intermediate_size:
+            from longspec.model.draft_grow import widen_mlp
+
+            draft = widen_mlp(draft, run.intermediate, seed=SEED)
     history = train(cfg, target, tokenizer, draft=draft)
     return history, os.path.join(out_dir, f"checkpoint-{steps}")
 
