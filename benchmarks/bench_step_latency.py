@@ -68,15 +68,16 @@ from longspec.testing import PUBLISHED_CONFIGS
 def measure(name: str, contexts: list[int], compiles: list[bool], draft_vocab: int, iters: int, peaks: dict,
             on_row=lambda row: None, tp: bool = False, cuda_graphs: bool = True, device: str = "cuda",
             numerics: tuple[str, ...] = ("fast",), trees: Sequence[tuple[int, ...]] = (TREE,), profile=None,
-            fp8: bool = False) -> list:
+            fp8: bool = False, mlp_ratio: float = 1.0) -> list:
     """One row per (compile, numerics, context) for the first tree, and per other tree at the longest context.
     ``profile``: a callable taking (model, context, kernel
     table) of the first tree's draft step with the reduced vocabulary (the full one without it), for every context
-    of the compiled fast rows. ``fp8``: also the draft with float8 weight copies (full and reduced vocabulary)."""
+    of the compiled fast rows. ``fp8``: also the draft with float8 weight copies (full and reduced vocabulary).
+    ``mlp_ratio``: a published shape's draft MLP at this many times the target's units."""
     from longspec import LongSpecDrafter, Numerics, SpeculativeDecoder
     from longspec.model.draft import frequent_tokens
 
-    target, draft = target_and_draft(name, device, tp)
+    target, draft = target_and_draft(name, device, tp, mlp_ratio)
     vocab = target.get_output_embeddings().weight.shape[0]
     reduced = None
     if 0 < draft_vocab < vocab:
@@ -97,6 +98,7 @@ def measure(name: str, contexts: list[int], compiles: list[bool], draft_vocab: i
                     continue  # other trees are priced at the longest context only
                 row = _tree_row(name, context, compile, mode, tree, d, spec, draft, target, reduced, iters, peaks,
                                 weights, cuda_graphs, tp, profile if tree == trees[0] else None, fp8)
+                row["draft_intermediate"] = draft.config.intermediate_size
                 _ratios(row)
                 _versus_fast(row, rows)
                 rows.append(row)
@@ -357,12 +359,17 @@ def main(argv=None) -> None:
     ap.add_argument("--inductor", nargs="+", default=[], metavar="KEY=VALUE",
                     help="torch._inductor.config settings for every compile of the run (an A/B knob, e.g. "
                          "combo_kernels=True); recorded in the result's meta")
+    ap.add_argument("--draft-mlp-ratio", type=float, default=1.0, metavar="R",
+                    help="published shapes' drafts with R times the target's MLP units (the price of a widened "
+                         "draft); the shipped pair's draft is as trained")
     ap.add_argument("--adaptive", action="store_true",
                     help="only the adaptive / merged rounds (step_latency_adaptive), not the floors")
     a = ap.parse_args(argv)
     if a.merge:
         merge(a.merge, a.tree_tau, a.out)
         return
+    if not a.draft_mlp_ratio > 0:
+        ap.error(f"argument --draft-mlp-ratio: must be > 0, got {a.draft_mlp_ratio}")
     inductor = _inductor_settings(ap, a.inductor)
     taus = read_tree_tau(a.tree_tau)
     if not torch.cuda.is_available():
@@ -397,6 +404,8 @@ def main(argv=None) -> None:
     except argparse.ArgumentTypeError as err:
         ap.error(f"argument --trees: {err}")
     meta = {"trees": " ".join(a.trees), "copy TB/s": round(peaks["copy_bytes_per_s"] / 1e12, 2)}
+    if a.draft_mlp_ratio != 1.0:
+        meta["draft_mlp_ratio"] = a.draft_mlp_ratio
     if inductor:
         meta["inductor"] = " ".join(f"{k}={v}" for k, v in inductor.items())
     if a.tp:
@@ -422,7 +431,7 @@ def main(argv=None) -> None:
         vocab_size = a.draft_vocab if name != "pair" else min(a.draft_vocab, 2048)
         measure(name, a.contexts, compiles, vocab_size, a.iters, peaks, on_row, tp=a.tp,
                 cuda_graphs=a.cuda_graphs == "on", device=device, numerics=numerics, trees=trees,
-                profile=on_profile if a.profile else None, fp8=a.fp8)
+                profile=on_profile if a.profile else None, fp8=a.fp8, mlp_ratio=a.draft_mlp_ratio)
         torch.cuda.empty_cache()
     if _main_rank():
         print((write(rows, meta, a.out, suite=suite, taus=taus) / f"{suite}.md").read_text(), flush=True)

@@ -11,9 +11,11 @@ import torch
 TREE = (4, 16, 16, 16, 16)
 
 
-def target_and_draft(name: str, device: str = "cuda", tp: bool = False):
+def target_and_draft(name: str, device: str = "cuda", tp: bool = False, mlp_ratio: float = 1.0):
     """(target, draft) in bf16: a published config with a fresh draft, or the shipped trained pair. ``tp``: the
-    target sharded over the ``torchrun`` launch (the draft whole on every rank, the same on every rank)."""
+    target sharded over the ``torchrun`` launch (the draft whole on every rank, the same on every rank).
+    ``mlp_ratio``: a published shape's draft MLP has this many times the target's units (a widened draft,
+    :func:`longspec.model.draft_grow.widen_mlp`); the shipped pair's draft is as it was trained."""
     from longspec import LongSpecDraft
     from longspec.testing import published_target
 
@@ -26,8 +28,9 @@ def target_and_draft(name: str, device: str = "cuda", tp: bool = False):
         return pair.target, pair.draft
     target = published_target(name, device, tensor_parallel=tp)
     torch.manual_seed(0)  # the same draft on every rank
+    units = round(mlp_ratio * target.config.get_text_config().intermediate_size)
     with torch.device(device):
-        draft = LongSpecDraft.from_target(target)
+        draft = LongSpecDraft.from_target(target, intermediate_size=units)
     return target, draft
 
 
