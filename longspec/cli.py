@@ -9,17 +9,14 @@ and exit code 2.
 from __future__ import annotations
 
 import argparse
-import glob
-import math
 import os
 import sys
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from longspec.cli_train import add_train_parser
+from longspec.cli_types import DTYPES, float_arg, int_arg
 from longspec.inputs import CLIError, TargetFiles, available_memory, check_draft, check_target, read_prompt
-from longspec.runs import checkpoint_step, latest_checkpoint
-
-DTYPES = ("float32", "float16", "bfloat16")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -33,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="longspec", description="Long-context lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_generate_parser(sub)
-    add_train_parser(sub)
+    add_train_parser(sub)  # longspec.cli_train
     add_demo_parser(sub)
     return parser
 
@@ -48,37 +45,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (CLIError, ValueError, FileNotFoundError) as err:
         print(f"longspec: error: {err}", file=sys.stderr)
         return 2
-
-
-# -- argument types (argparse reports their errors as "argument --name: ...") ----------------------------------
-
-
-def _int(lo: int, hi: Optional[int] = None) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < lo or (hi is not None and value >= hi):
-            bound = f">= {lo}" if hi is None else f"in [{lo}, {hi})"
-            raise argparse.ArgumentTypeError(f"must be an integer {bound}, got {value}")
-        return value
-
-    return parse
-
-
-def _float(lo: float, hi: float = math.inf, lo_open: bool = False) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not (math.isfinite(value) and (value > lo if lo_open else value >= lo) and value <= hi):
-            bound = f"in ({lo:g}, {hi:g}]" if hi < math.inf else (f"> {lo:g}" if lo_open else f">= {lo:g}")
-            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
-        return value
-
-    return parse
 
 
 def _device(name: Optional[str]):
@@ -115,13 +81,13 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
                         "is unchanged)")
     p.add_argument("--prompt-file", required=True, help="UTF-8 text file holding the prompt ('-' reads stdin)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    p.add_argument("--max-new-tokens", type=_int(1), default=256)
-    p.add_argument("--temperature", type=_float(0.0), default=0.0, help="0 is greedy")
-    p.add_argument("--top-k", type=_int(0), default=0, help="0 disables")
-    p.add_argument("--top-p", type=_float(0.0, 1.0, lo_open=True), default=1.0, help="1 disables")
-    p.add_argument("--seed", type=_int(0, 2**64), default=None,
+    p.add_argument("--max-new-tokens", type=int_arg(1), default=256)
+    p.add_argument("--temperature", type=float_arg(0.0), default=0.0, help="0 is greedy")
+    p.add_argument("--top-k", type=int_arg(0), default=0, help="0 disables")
+    p.add_argument("--top-p", type=float_arg(0.0, 1.0, lo_open=True), default=1.0, help="1 disables")
+    p.add_argument("--seed", type=int_arg(0, 2**64), default=None,
                    help="seed-exact sampling (speculative output = plain decoding's, token for token)")
-    p.add_argument("--tree-shape", type=_int(1), nargs="+", default=None,
+    p.add_argument("--tree-shape", type=int_arg(1), nargs="+", default=None,
                    help="nodes per depth (default: 4 16 16 16 16 with --draft, else 1 1 1 1 1)")
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
@@ -130,10 +96,10 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
                    help="torch.compile the target's layers, the draft step and the round's tail (the first round "
                         "waits for the compile)")
     p.add_argument("--phase-times", action="store_true", help="split the stats line's decode time by phase")
-    p.add_argument("--max-cache-len", type=_int(1), default=None, help="refuse requests needing more cache rows")
-    p.add_argument("--sink", type=_int(0), default=32, help="streaming drafter: attention-sink rows")
-    p.add_argument("--window", type=_int(1), default=1024, help="streaming drafter: recent-window rows")
-    p.add_argument("--max-ngram", type=_int(1), default=3, help="pld drafter: longest n-gram matched")
+    p.add_argument("--max-cache-len", type=int_arg(1), default=None, help="refuse requests needing more cache rows")
+    p.add_argument("--sink", type=int_arg(0), default=32, help="streaming drafter: attention-sink rows")
+    p.add_argument("--window", type=int_arg(1), default=1024, help="streaming drafter: recent-window rows")
+    p.add_argument("--max-ngram", type=int_arg(1), default=3, help="pld drafter: longest n-gram matched")
     p.set_defaults(run=run_generate)
 
 
@@ -359,127 +325,20 @@ class _TextStreamer:
         self.printed = len(text)
 
 
-# -- train ----------------------------------------------------------------------------------------------------------
-
-
-def add_train_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train a LongSpec draft for a local target (torchrun for several GPUs)",
-                       description="Train a LongSpec draft; checkpoints load with LongSpecDraft.from_pretrained "
-                                   "(the --out directory stands for its latest one). Launch with torchrun "
-                                   "--nproc-per-node K for K ranks.")
-    p.add_argument("--target", required=True, help="local directory of the target model and tokenizer")
-    p.add_argument("--data", required=True, nargs="+", help="jsonl / text / parquet files or globs (hf:NAME too)")
-    p.add_argument("--field", default="text", help="text field of jsonl records / parquet columns")
-    p.add_argument("--out", required=True, help="output directory (checkpoints, log.jsonl); resumed if present")
-    p.add_argument("--draft-init", default=None, help="start from this draft checkpoint instead of a fresh one")
-    p.add_argument("--seq-len", type=_int(2), default=1024)
-    p.add_argument("--steps", type=_int(1), default=1000)
-    p.add_argument("--batch-size", type=_int(1), default=1, help="sequences per rank per micro-batch")
-    p.add_argument("--grad-accum", type=_int(1), default=1)
-    p.add_argument("--lr", type=_float(0.0, lo_open=True), default=5e-4)
-    p.add_argument("--kl-weight", type=_float(0.0), default=0.0, help="weight of KL(target || draft) added to the CE")
-    p.add_argument("--ce-weight", type=_float(0.0), default=1.0,
-                   help="weight of the CE on the data's next tokens (0 with --kl-weight > 0: pure distillation)")
-    p.add_argument("--draft-vocab-size", type=_int(0), default=0,
-                   help="checkpoints carry the N most frequent training tokens as the draft's reduced vocabulary")
-    p.add_argument("--delta-max", type=_int(1), default=5, help="flash noisy: largest lag of the target K/V")
-    p.add_argument("--no-anchor-offset", action="store_true", help="plain positions (ablation)")
-    p.add_argument("--no-flash-noisy", action="store_true", help="always lag 1 (ablation)")
-    p.add_argument("--parallel", choices=("none", "ddp", "fsdp"), default=None,
-                   help="default: ddp under a multi-process launch (torchrun), none in a single process")
-    p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="target weights' dtype on CUDA")
-    p.add_argument("--seed", type=_int(0), default=0)
-    p.add_argument("--save-every", type=_int(1), default=200)
-    p.add_argument("--log-every", type=_int(1), default=10, help="steps between log.jsonl rows")
-    p.add_argument("--tensorboard", action="store_true")
-    p.set_defaults(run=run_train)
-
-
-def launch_parallel(requested: Optional[str], world_size: int) -> str:
-    """The parallel mode: what the launch implies (ddp under torchrun with several ranks, else none), or the one
-    requested when it fits the launch."""
-    if requested is None:
-        return "ddp" if world_size > 1 else "none"
-    if requested != "none" and world_size == 1:
-        raise CLIError(f"--parallel {requested} needs several processes: launch with torchrun --nproc-per-node K "
-                       "(K > 1), or leave --parallel out")
-    if requested == "none" and world_size > 1:
-        raise CLIError(f"--parallel none under a {world_size}-process launch would train {world_size} separate "
-                       "drafts into one --out: use ddp or fsdp")
-    return requested
-
-
-def run_train(args: argparse.Namespace) -> int:
-    parallel = launch_parallel(args.parallel, int(os.environ.get("WORLD_SIZE", "1")))
-    target_files = check_target(args.target)
-    for pattern in args.data:
-        if not pattern.startswith("hf:") and not any(os.path.isfile(m) for m in glob.glob(pattern, recursive=True)):
-            raise CLIError(f"--data {pattern!r} matches no file")
-    if args.draft_init:
-        check_draft(args.draft_init, target_files, "--draft-init")
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        raise CLIError(f"--out {args.out!r} is a file, not a directory")
-    done = _finished_step(args.out)
-    if done is not None and done >= args.steps:
-        print(f"longspec: {args.out} already holds a run trained to step {done} (--steps {args.steps}): nothing to "
-              "do; raise --steps to train further", file=sys.stderr)
-        return 0
-
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from longspec import LongSpecDraft
-    from longspec.train import DataConfig, Parallel, TrainConfig, train
-
-    kwargs = dict(local_files_only=True, **target_files.from_pretrained_kwargs())
-    tokenizer = AutoTokenizer.from_pretrained(target_files.directory, **kwargs)
-    dtype = getattr(torch, args.dtype) if torch.cuda.is_available() else torch.float32
-    target = AutoModelForCausalLM.from_pretrained(target_files.directory, dtype=dtype, **kwargs)
-    draft = None
-    if args.draft_init:
-        draft = LongSpecDraft.from_pretrained(args.draft_init, target=target, dtype=torch.float32)
-    cfg = TrainConfig(data=DataConfig(paths=args.data, field=args.field, seq_len=args.seq_len), out_dir=args.out,
-                      steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
-                      kl_weight=args.kl_weight, ce_weight=args.ce_weight, draft_vocab_size=args.draft_vocab_size,
-                      delta_max=args.delta_max, anchor_offset=not args.no_anchor_offset,
-                      flash_noisy=not args.no_flash_noisy, parallel=Parallel(parallel), seed=args.seed,
-                      save_every=args.save_every, log_every=args.log_every, tensorboard=args.tensorboard)
-    try:
-        history = train(cfg, target, tokenizer, draft=draft)
-    except KeyError as err:  # a data record without --field (the message names the file and line)
-        raise CLIError(err.args[0] if err.args else repr(err)) from None
-    if not history:  # the run reached --steps between the check above and the resume (another process)
-        print(f"longspec: {args.out} already holds a run trained to --steps {args.steps}: nothing to do",
-              file=sys.stderr)
-        return 0
-    last = history[-1]
-    print(f"trained to step {last['step']}: loss {last['loss']:.4f} (checkpoints in {args.out})", file=sys.stderr)
-    return 0
-
-
-def _finished_step(out: str) -> Optional[int]:
-    """The step of the run's latest checkpoint in ``out``, or None when there is none."""
-    try:
-        ckpt = latest_checkpoint(out) if os.path.isdir(out) else None
-        return None if ckpt is None else checkpoint_step(ckpt)
-    except (FileNotFoundError, ValueError) as err:
-        raise CLIError(f"--out {out!r}: {err}") from None
-
-
 # -- demo -----------------------------------------------------------------------------------------------------------
 
 
 def add_demo_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="the shipped trained pair on a held-out long code prompt: plain vs speculative")
-    p.add_argument("--context", type=_int(64), default=None, help="prompt tokens (default: 4096 on a CPU, 32768 on a GPU)")
-    p.add_argument("--new-tokens", type=_int(1), default=128)
+    p.add_argument("--context", type=int_arg(64), default=None, help="prompt tokens (default: 4096 on a CPU, 32768 on a GPU)")
+    p.add_argument("--new-tokens", type=int_arg(1), default=128)
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="default: float32 on a CPU, bfloat16 on a GPU")
     p.add_argument("--numerics", choices=["fast", "invariant"], default=None,
                    help="the target's kernels (longspec.Numerics): in bfloat16 only 'invariant' keeps every output "
                         "equal to plain decoding's (default: fast in float32, invariant in bfloat16)")
-    p.add_argument("--seed", type=_int(0), default=None, help="which held-out prompt (default: the demo's own)")
+    p.add_argument("--seed", type=int_arg(0), default=None, help="which held-out prompt (default: the demo's own)")
     p.set_defaults(run=run_demo)
 
 

@@ -303,9 +303,9 @@ def _json_value(x):
 def train(cfg: TrainConfig, target, tokenizer, draft=None) -> list[dict]:
     """Train a LongSpec draft for ``target`` (a Hugging Face causal LM) and return the per-step log rows.
 
-    ``draft`` defaults to ``LongSpecDraft.from_target(target)``; an existing checkpoint in ``cfg.out_dir`` (its
-    ``latest`` pointer) is resumed exactly, and a run already at ``cfg.steps`` returns no rows. Launch with
-    ``torchrun --nproc-per-node K`` for K ranks.
+    ``draft`` defaults to ``LongSpecDraft.from_target(target)``, or to the geometry of an existing checkpoint in
+    ``cfg.out_dir`` (its ``latest`` pointer: a widened draft resumes at its width), which is resumed exactly; a run
+    already at ``cfg.steps`` returns no rows. Launch with ``torchrun --nproc-per-node K`` for K ranks.
     """
     from tqdm.auto import tqdm
 
@@ -318,7 +318,8 @@ def train(cfg: TrainConfig, target, tokenizer, draft=None) -> list[dict]:
     prepare_target(target)
     use_bf16 = cfg.bf16 and d.device.type == "cuda"
     if draft is None:
-        draft = LongSpecDraft.from_target(target)
+        ckpt = latest_checkpoint(cfg.out_dir) if os.path.isdir(cfg.out_dir) else None
+        draft = LongSpecDraft.from_target(target) if ckpt is None else LongSpecDraft.from_pretrained(ckpt, target=target)
         if use_bf16:
             draft.float()  # float32 master weights under bf16 autocast, whatever the target's dtype
     draft = draft.to(d.device)

@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from longspec.cli import launch_parallel, main
+from longspec.cli import main
+from longspec.cli_train import launch_parallel
 from longspec.inputs import CLIError
 from longspec.model.draft import LongSpecDraft
 from longspec.train.trainer import train
@@ -125,3 +126,26 @@ def test_bad_training_input_is_one_line_and_loses_nothing(target_dir, tmp_path, 
         err = capsys.readouterr().err.strip()
         assert err.startswith("longspec: error: ") and "\n" not in err and message in err, (message, err)
         assert not out.exists(), message  # nothing written for a refused command
+
+
+def test_a_widened_draft_trains_and_resumes_at_its_width(target_dir, tmp_path, capsys):
+    """--draft-intermediate widens the --draft-init draft before training; a rerun with more --steps resumes from
+    the run's own checkpoint at that width, without the flag (the init draft is not loaded again)."""
+    assert main(_train_argv(target_dir, tmp_path)) == 0
+    units = json.loads((tmp_path / "out" / "checkpoint-2" / "config.json").read_text())["intermediate_size"]
+    wide = tmp_path / "wide"
+    argv = ["train", "--target", str(target_dir), "--data", str(tmp_path / "corpus.jsonl"), "--out", str(wide),
+            "--seq-len", "64", "--save-every", "1", "--draft-init", str(tmp_path / "out")]
+    assert main([*argv, "--steps", "1", "--draft-intermediate", str(2 * units)]) == 0
+    assert main([*argv, "--steps", "2"]) == 0
+    assert "trained to step 2" in capsys.readouterr().err
+    assert json.loads((wide / "checkpoint-2" / "config.json").read_text())["intermediate_size"] == 2 * units
+    refused = {"--draft-intermediate widens the --draft-init draft: give --draft-init too":
+               [*argv[:5], "--out", str(tmp_path / "a"), "--draft-intermediate", "64"],
+               f"--draft-intermediate {units // 2}: intermediate_size must be an int larger than the draft's ({units})":
+               [*argv[:5], "--out", str(tmp_path / "b"), *argv[7:], "--draft-intermediate", str(units // 2)]}
+    for message, bad in refused.items():
+        assert main(bad) == 2, message
+        err = capsys.readouterr().err.strip().splitlines()[-1]  # after the target's loading progress, if any
+        assert err.startswith("longspec: error: ") and message in err, (message, err)
+        assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # nothing written
