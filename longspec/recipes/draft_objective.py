@@ -75,18 +75,42 @@ def tau(target, draft, prompts, shape, new_tokens: int) -> float:
     return emitted / forwards
 
 
+def tau_row(target, draft, prompts) -> dict:
+    """The draft's tau on ``prompts`` with the 4-4-4-4 tree and with a chain of 4 (48 new tokens, greedy)."""
+    return {"tau_tree_4-4-4-4": tau(target, draft, prompts, (4, 4, 4, 4), 48),
+            "tau_chain_4": tau(target, draft, prompts, (1, 1, 1, 1), 48)}
+
+
+def write_result(out: str, name: str, rows: list[dict], target_steps: int, started: float, **meta) -> None:
+    """``out/name.json``: the rows and what every CPU draft experiment here shares (target, prompts, device, time)."""
+    meta = {"target": "byte-level Llama, 3 layers, hidden 192, trained %d steps x 8 x 256 tokens" % target_steps,
+            **meta, "prompts": "8 held-out stdlib files, first 1024 bytes, 48 new tokens, greedy", "device": "cpu",
+            "torch": torch.__version__, "seconds": round(time.time() - started, 1)}
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+OUT = os.path.join("benchmarks", "results", "cpu")  # relative to the repository root, where these run
+
+
+def setup(target_steps: int) -> tuple[list[str], LlamaForCausalLM, list[torch.Tensor]]:
+    """Every CPU draft experiment's start: the training files, the target trained on them, the held-out prompts."""
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    train_files, held = source_files()
+    target = train_target(train_files, target_steps, seq_len=256, batch=8)
+    return train_files, target, held_out_prompts(held, n=8, length=1024)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target-steps", type=int, default=400)
     ap.add_argument("--draft-steps", type=int, default=300)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0], help="draft seeds (initialisation and data order)")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "cpu"))
+    ap.add_argument("--out", default=OUT)
     a = ap.parse_args()
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
-    train_files, held = source_files()
     t0 = time.time()
-    target = train_target(train_files, a.target_steps, seq_len=256, batch=8)
-    prompts = held_out_prompts(held, n=8, length=1024)
+    train_files, target, prompts = setup(a.target_steps)
     rows = []
     for seed, (name, ce, kl) in itertools.product(a.seeds, (("CE", 1.0, 0.0), ("CE + 1.0 KL", 1.0, 1.0),
                                                             ("KL", 0.0, 1.0))):
@@ -96,18 +120,11 @@ def main() -> None:
                               kl_weight=kl, ce_weight=ce)
             hist = train(cfg, target, ByteTokenizer())
             draft = LongSpecDraft.from_pretrained(os.path.join(out, f"checkpoint-{a.draft_steps}"), target=target)
-        row = {"objective": name, "seed": seed, "final_loss": hist[-1]["loss"],
-               "tau_tree_4-4-4-4": tau(target, draft, prompts, (4, 4, 4, 4), 48),
-               "tau_chain_4": tau(target, draft, prompts, (1, 1, 1, 1), 48)}
+        row = {"objective": name, "seed": seed, "final_loss": hist[-1]["loss"], **tau_row(target, draft, prompts)}
         print(row, flush=True)
         rows.append(row)
-    meta = {"target": "byte-level Llama, 3 layers, hidden 192, trained %d steps x 8 x 256 tokens" % a.target_steps,
-            "draft_steps": a.draft_steps, "draft_batch": "4 x 512 tokens", "prompts": "8 held-out stdlib files, "
-            "first 1024 bytes, 48 new tokens, greedy", "device": "cpu", "torch": torch.__version__,
-            "seconds": round(time.time() - t0, 1)}
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "draft_objective.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    write_result(a.out, "draft_objective", rows, a.target_steps, t0, draft_steps=a.draft_steps,
+                 draft_batch="4 x 512 tokens")
 
 
 if __name__ == "__main__":
