@@ -27,6 +27,8 @@ from longspec.train.data import DataConfig, PackedStream, batches
 from longspec.train.tokenizer import ByteTokenizer
 from longspec.train.trainer import TrainConfig, train
 
+OUT = os.path.join("benchmarks", "results", "cpu")  # results, relative to the repository root where these run
+
 
 def source_files() -> tuple[list[str], list[str]]:
     files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
@@ -89,9 +91,6 @@ def write_result(out: str, name: str, rows: list[dict], target_steps: int, start
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"{name}.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
-
-
-OUT = os.path.join("benchmarks", "results", "cpu")  # relative to the repository root, where these run
 
 
 def setup(target_steps: int) -> tuple[list[str], LlamaForCausalLM, list[torch.Tensor]]:
