@@ -27,6 +27,7 @@ equals plain decoding's token for token.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -82,7 +83,8 @@ class SpeculativeDecoder:
             captures them up front).
         compile: ``torch.compile`` the target's decoder layers (:class:`~longspec.model.target.CompiledTarget`),
             the drafter's ``propose`` when it declares ``compilable = True`` (the LongSpec and prompt-lookup
-            drafters do) and the round's tail. The first round of each new shape waits for the compile (seconds
+            drafters do; a :class:`~longspec.decode.merge.MergedDrafter`'s parts through its ``compiled_propose``)
+            and the round's tail. The first round of each new shape waits for the compile (seconds
             per compiled function; torch.compile caches the results on disk, so later processes wait less);
             :meth:`warmup` compiles every shape a request can have up front.
         prefill_chunk_size: prompt tokens per prefill forward (bounds prefill activation memory).
@@ -153,8 +155,12 @@ class SpeculativeDecoder:
                                max_cache_len, self.tp)
         self._compiled = CompiledTarget(target) if compile else None
         self._propose_fn = drafter.propose if drafter is not None else None
-        if compile and getattr(drafter, "compilable", False):
-            self._propose_fn = torch.compile(drafter.propose, fullgraph=True, options=DRAFT_INDUCTOR_OPTIONS)
+        if compile and drafter is not None:
+            compile_fn = functools.partial(torch.compile, fullgraph=True, options=DRAFT_INDUCTOR_OPTIONS)
+            if getattr(drafter, "compilable", False):
+                self._propose_fn = compile_fn(drafter.propose)
+            elif hasattr(drafter, "compiled_propose"):  # a merged drafter: its parts compiled, the merge as it is
+                self._propose_fn = drafter.compiled_propose(compile_fn)
         self._tail = RoundTail(self.tree, kv_update, self.cuda_graphs, compile)
         self._draft_step = DraftStep(drafter, self.tree, budget, self._propose_fn, self.cuda_graphs)
 

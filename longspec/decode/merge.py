@@ -14,7 +14,8 @@ the output is the target's.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import functools
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -50,7 +51,9 @@ class MergedDrafter:
         self.parts = tuple(drafters)
         self.vocab_size = vocab.pop() if vocab else None
         self.reads_all_target_layers = any(getattr(d, "reads_all_target_layers", True) for d in drafters)
-        self.compilable = False  # the merge keeps a per-layout cache; the parts run eagerly or from the CUDA graph
+        # the merge keeps a per-layout cache, so it runs eagerly (or from the CUDA graph); compiled_propose compiles
+        # the parts instead
+        self.compilable = False
         self._layouts: dict = {}
 
     def __getattr__(self, name: str):
@@ -71,13 +74,25 @@ class MergedDrafter:
             part.observe(state, spec if spec is not None else tree)
 
     def propose(self, state: DecodeState, tree: TreeSpec) -> DraftTree:
+        return self._propose(state, tree, [part.propose for part in self.parts])
+
+    def compiled_propose(self, compile_fn: Callable[[Callable], Callable]
+                         ) -> Callable[[DecodeState, TreeSpec], DraftTree]:
+        """``propose`` with every ``compilable`` part's ``propose`` passed through ``compile_fn`` (the decoder's
+        ``torch.compile`` with ``compile=True``): the parts' trees come from their compiled code, the merge runs as
+        it is. Each tree a part is asked for (an adaptive budget's depth cuts) compiles once."""
+        proposes = [compile_fn(part.propose) if getattr(part, "compilable", False) else part.propose
+                    for part in self.parts]
+        return functools.partial(self._propose, proposes=proposes)
+
+    def _propose(self, state: DecodeState, tree: TreeSpec, proposes: Sequence[Callable]) -> DraftTree:
         trees = []
-        for part, spec in zip(self.parts, self._part_specs(tree)):
+        for part, propose, spec in zip(self.parts, proposes, self._part_specs(tree)):
             if spec is None:
                 part.observe(state, tree)
                 trees.append(None)
             else:
-                trees.append(complete_tree(part.propose(state, spec), spec))
+                trees.append(complete_tree(propose(state, spec), spec))
         return merge_trees(state.root, trees, tree, self._layout(tree, state.root.device))
 
     def _part_specs(self, tree: TreeSpec) -> list[Optional[TreeSpec]]:

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import longspec_ops._checks as checks
-from longspec import LongSpecDraft, LongSpecDrafter, PromptLookupDrafter, SpeculativeDecoder
+from longspec import (AdaptiveBudget, LongSpecDraft, LongSpecDrafter, MergedDrafter, PromptLookupDrafter,
+                      SpeculativeDecoder)
 from longspec.decode.drafter import TreeSpec
 from longspec.decode.tree import tree_mask_from_parents, tree_positions
 from longspec.model.target import StaticKVCache, forward_extend, forward_tree, use_longspec_attention
@@ -44,6 +45,28 @@ def test_compiled_seeded_sampling_equals_plain_sampling():
         assert_same_tokens(dec.generate(ids, new, **kw).sequences, plain)
         if seed != 77:
             assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames, "the second request recompiled"
+
+
+def test_a_merged_drafters_parts_are_compiled(monkeypatch):
+    """compile=True compiles a merged drafter's parts (each part's ``propose``; the merge itself runs as it is), with
+    and without an adaptive budget, and the output stays transformers' greedy one. torch.compile is replaced by a
+    recorder that returns the function unchanged, so this checks what is compiled, not the compiler (the real
+    compile of each part's propose: test_compiled_decoding_is_exact)."""
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: (compiled.append(fn), fn)[1])
+    target = tiny_target(FAMILY)
+    ids, mask = ragged_batch([37, 22], seed=4, period=9)
+    want, scores = hf_greedy(target, ids, mask, 24)
+    draft = LongSpecDraft.from_target(target)
+    for budget in (None, AdaptiveBudget(budgets=(2,), depths=(1,))):
+        compiled.clear()
+        parts = (LongSpecDrafter(draft), PromptLookupDrafter())
+        dec = SpeculativeDecoder(target, MergedDrafter(*parts), tree_shape=TreeSpec.merged((2, 2), (1, 1)),
+                                 compile=True, budget=budget)
+        proposes = [fn for fn in compiled if getattr(fn, "__func__", None) in (type(p).propose for p in parts)]
+        assert [fn.__self__ for fn in proposes] == list(parts)
+        out = dec.generate(ids, 24, attention_mask=mask)
+        assert_same_tokens(out.sequences, want, scores, start=ids.shape[1])
 
 
 def test_compiled_layers_are_switched_off_outside_generate():
