@@ -160,6 +160,7 @@ class SpeculativeDecoder:
             if getattr(drafter, "compilable", False):
                 self._propose_fn = compile_fn(drafter.propose)
             elif hasattr(drafter, "compiled_propose"):  # a merged drafter: its parts compiled, the merge as it is
+                # (tested on the CPU; not yet run on a GPU under CUDA graphs: benchmarks/results/h100/NOTES.md)
                 self._propose_fn = drafter.compiled_propose(compile_fn)
         self._tail = RoundTail(self.tree, kv_update, self.cuda_graphs, compile)
         self._draft_step = DraftStep(drafter, self.tree, budget, self._propose_fn, self.cuda_graphs)
