@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -163,7 +164,7 @@ def run_engine(pair: Pair, factory, shape, budget_factory, prompts, new_tokens: 
     for temperature in temperatures:
         emitted = forwards = 0
         seconds = capture = 0.0
-        outputs, lengths, nodes, per_prompt = [], [], [], []
+        outputs, lengths, nodes, per_prompt, options = [], [], [], [], Counter()
         graphs_before = _compiled_graphs()
         for i, ids in enumerate(prompts):
             _sync(device)
@@ -176,6 +177,7 @@ def run_engine(pair: Pair, factory, shape, budget_factory, prompts, new_tokens: 
             forwards += sum(len(a) for a in out.accept_lengths)
             lengths += out.accept_lengths
             nodes += out.stats.nodes_per_round
+            options.update(out.stats.option_per_round)
             outputs.append(out.sequences[:, ids.shape[1]:])
         hist = accept_histogram(lengths)
         results[temperature] = {
@@ -187,6 +189,10 @@ def run_engine(pair: Pair, factory, shape, budget_factory, prompts, new_tokens: 
             # timed calls (0 after the warm-up unless something recompiled)
             "decode_s_per_prompt": per_prompt, "compiled_in_timed_calls": _compiled_graphs() - graphs_before,
             "accept_by_depth": accept_by_depth(hist, dec.tree.depth) if drafter is not None else None,
+            # an adaptive budget's rounds per chosen option and the costs it chose by (CostModel.to_json), so a slow
+            # cell can be replayed on a CPU (benchmarks.replay_adaptive --costs) without another device call
+            "options": dict(options.most_common()) if budget is not None else None,
+            "costs": budget.costs.to_json() if budget is not None else None,
             **_peak(device, start), "outputs": outputs}
     del dec, drafter
     return results

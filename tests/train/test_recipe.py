@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from longspec.decode.budget import CostModel
 from longspec.pretrained import PAIR_DIR
 from longspec.train.corpus import build_corpus, heldout_prompts, is_heldout, iter_records
 from longspec.train.tokenizer import EOS_TOKEN, train_bpe_tokenizer
@@ -216,6 +217,8 @@ def test_e2e_benchmark_on_the_tiny_pair(tmp_path, fake_site):
         assert r["tau"] >= 1.0 and r["tokens_per_s"] > 0 and r["peak_bytes"] is None  # no GPU: not measured
     adaptive = [r for r in rows if r["method"] == "adaptive LongSpec+PLD"]
     assert all(r["calibrate_s"] > 0 and r["nodes_per_round"] >= 1 for r in adaptive)
+    for r in adaptive:  # rounds per chosen option, and the cost model they were chosen by
+        assert sum(r["options"].values()) == sum(r["accept_hist"]) and CostModel.from_json(r["costs"]).verify
     longspec = next(r for r in rows if r["method"] == "LongSpec tree")
     assert longspec["draft_bytes"] > 0 and longspec["tree_scratch_bytes"] > 0
     assert len(longspec["accept_by_depth"]) == 5 and longspec["tau"] == pytest.approx(
