@@ -26,6 +26,10 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-intermediate", type=int_arg(1), default=None, metavar="N",
                    help="with --draft-init: widen its MLP to N units first, without changing its function (the new "
                         "units start silent; longspec.model.draft_grow.widen_mlp). A resumed run keeps its width")
+    p.add_argument("--draft-add-cross-blocks", type=int_arg(1), default=None, metavar="N",
+                   help="with --draft-init: append N cross-attention + MLP blocks that start as the identity "
+                        "(longspec.model.draft_grow.add_cross_blocks; not part of the LongSpec method, each costs a "
+                        "draft level one more pass over the target's last-layer cache). A resumed run keeps them")
     p.add_argument("--seq-len", type=int_arg(2), default=1024)
     p.add_argument("--steps", type=int_arg(1), default=1000)
     p.add_argument("--batch-size", type=int_arg(1), default=1, help="sequences per rank per micro-batch")
@@ -73,6 +77,8 @@ def run_train(args: argparse.Namespace) -> int:
         check_draft(args.draft_init, target_files, "--draft-init")
     elif args.draft_intermediate is not None:
         raise CLIError("--draft-intermediate widens the --draft-init draft: give --draft-init too")
+    elif args.draft_add_cross_blocks is not None:
+        raise CLIError("--draft-add-cross-blocks grows the --draft-init draft: give --draft-init too")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise CLIError(f"--out {args.out!r} is a file, not a directory")
     done = _finished_step(args.out)
@@ -101,6 +107,10 @@ def run_train(args: argparse.Namespace) -> int:
                 draft = widen_mlp(draft, args.draft_intermediate, seed=args.seed)
             except ValueError as err:
                 raise CLIError(f"--draft-intermediate {args.draft_intermediate}: {err}") from None
+        if args.draft_add_cross_blocks is not None:
+            from longspec.model.draft_grow import add_cross_blocks
+
+            draft = add_cross_blocks(draft, args.draft_add_cross_blocks, seed=args.seed)
     cfg = TrainConfig(data=DataConfig(paths=args.data, field=args.field, seq_len=args.seq_len), out_dir=args.out,
                       steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
                       kl_weight=args.kl_weight, ce_weight=args.ce_weight, draft_vocab_size=args.draft_vocab_size,

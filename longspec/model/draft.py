@@ -14,6 +14,11 @@ Six submodules carry the published names (20 tensors): ``input_layernorm``, ``se
 have biases, o_proj has none. ``cross_attn.k_proj``/``v_proj`` exist only so that published checkpoints load: the
 keys and values of the cross-attention are the target's, so they are never computed.
 
+``config.extra_cross_blocks`` (0 in the method and every published draft) appends that many
+:class:`~longspec.model.draft_blocks.CrossBlock` (cross-attention + MLP, no self-attention) after the block, under
+``extra_blocks.{i}.``: not the paper's draft, an option for drafts that a wider MLP did not bring closer to their
+target (:func:`~longspec.model.draft_grow.add_cross_blocks` grows a trained draft with them, as the identity).
+
 The embeddings, rotary embedding and LM head belong to the target. The draft holds the target through a plain
 reference (not a submodule), so they appear in neither ``parameters()`` nor the state dict.
 
@@ -31,13 +36,14 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, rotate_half
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
 import longspec_ops  # noqa: F401  (registers torch.ops.longspec)
 from longspec.model.draft_attention import (
     shifted_cross_attention,
     windowed_self_attention,
 )
+from longspec.model.draft_blocks import CrossBlock, LongSpecAttention, apply_rope
 from longspec.model.draft_config import LongSpecDraftConfig, check_target_compatible
 from longspec.model.draft_files import (
     DRAFT_VOCAB_FILE,
@@ -62,29 +68,6 @@ PUBLISHED_TENSOR_NAMES: tuple[str, ...] = tuple(
     + [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
     + [f"{n}.weight" for n in ("input_layernorm", "post_self_attention_layernorm", "post_cross_attention_layernorm")]
 )
-
-class LongSpecAttention(nn.Module):
-    """The projections of one attention sublayer (``GlideAttention``): q/k/v with bias, o_proj without.
-
-    Only projections live here; the attention itself runs on the ``longspec_ops`` kernels in the caller, which
-    knows where keys come from (the draft's ring, the tree scratch, or the target's cache).
-    """
-
-    def __init__(self, config: LongSpecDraftConfig) -> None:
-        super().__init__()
-        hq, hkv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = hq, hkv, d
-        self.q_proj = nn.Linear(config.hidden_size, hq * d, bias=True)
-        self.k_proj = nn.Linear(config.hidden_size, hkv * d, bias=True)
-        self.v_proj = nn.Linear(config.hidden_size, hkv * d, bias=True)
-        self.o_proj = nn.Linear(hq * d, config.hidden_size, bias=False)
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x ``[B, S, H, D]`` (flash layout) rotated by cos/sin ``[B, S, D]``, broadcast over heads (transformers'
-    ``rotate_half`` convention, as the Llama/Qwen2 targets rotate)."""
-    return x * cos[:, :, None, :] + rotate_half(x) * sin[:, :, None, :]
-
 
 @dataclass(frozen=True)
 class _Borrowed:
@@ -120,7 +103,7 @@ class LongSpecDraft(PreTrainedModel):
     config_class = LongSpecDraftConfig
     config: LongSpecDraftConfig
     base_model_prefix = "model"  # the prefix a published checkpoint may carry ("model.self_attn....")
-    _no_split_modules = ["LongSpecAttention", "LlamaMLP"]
+    _no_split_modules = ["LongSpecAttention", "LlamaMLP", "CrossBlock"]
 
     def __init__(self, config: LongSpecDraftConfig) -> None:
         super().__init__(config)
@@ -131,6 +114,8 @@ class LongSpecDraft(PreTrainedModel):
         self.cross_attn = LongSpecAttention(config)
         self.post_cross_attention_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
+        # config.extra_cross_blocks cross-attention + MLP blocks after the block (none in the method's draft)
+        self.extra_blocks = nn.ModuleList(CrossBlock(config) for _ in range(config.extra_cross_blocks))
         self._borrowed: Optional[_Borrowed] = None
         # The reduced drafting vocabulary (see set_draft_vocab): target token ids, sorted; None = the full head.
         # Not in the state dict (published checkpoints have none): saved as draft_vocab.json beside the weights.
@@ -164,7 +149,7 @@ class LongSpecDraft(PreTrainedModel):
         fp8 = check_weight_dtype(weight_dtype, self.dtype, "LongSpecDraft.pack_for_drafting")
         packed = packed_or_none(self._packed)
         if packed is None:
-            packed = pack_projections(self.self_attn, self.mlp)
+            packed = pack_projections(self.self_attn, self.mlp, [b.mlp for b in self.extra_blocks])
         if fp8:
             head = self._draft_head if self._draft_head is not None else self._require_target().lm_head.weight
             sources = drafting_weights(self, packed, head)
@@ -260,8 +245,20 @@ class LongSpecDraft(PreTrainedModel):
                 ever reads or moves another rank's cache rows. The rest of the draft is replicated: every rank
                 computes the same tree from the same gathered values.
         """
-        h1 = self.after_self_attention(x, self_out)
-        q = self.cross_query(h1, cos, sin)
+        h = self.after_self_attention(x, self_out)
+        for part in self._cross_parts():
+            h = self.after_cross_attention(h, self.cross_attend(self.cross_query(h, cos, sin, part), target_key,
+                                                                target_value, q_pos, target_lens, tp), part)
+        return h
+
+    def _cross_parts(self) -> tuple[Optional[int], ...]:
+        """The cross-attention + MLP parts in order: the block's (None), then each extra block's index."""
+        return (None, *range(len(self.extra_blocks)))
+
+    def cross_attend(self, q: Tensor, target_key: Tensor, target_value: Tensor, q_pos: Optional[Tensor],
+                     target_lens: Tensor, tp: Optional["TensorParallel"] = None) -> Tensor:
+        """Cross-attention of rotated queries ``[B, S, Hq, D]`` into the target's cache while decoding (arguments as
+        :meth:`finish`'s): ``[B, S, Hq, D]``."""
         scale = self.config.head_dim ** -0.5
         local_q = q if tp is None else tp.local_query(q)
         if q_pos is None:
@@ -269,8 +266,7 @@ class LongSpecDraft(PreTrainedModel):
         else:
             local, _ = torch.ops.longspec.draft_cross_attn(local_q, target_key, target_value, q_pos, target_lens,
                                                             scale)
-        cross = local if tp is None else gather_heads(local, tp)
-        return self.after_cross_attention(h1, cross)
+        return local if tp is None else gather_heads(local, tp)
 
     def after_self_attention(self, x: Tensor, self_out: Tensor) -> Tensor:
         """h1 = x + o_proj(self_out): x ``[B, S, H]``, self_out ``[B, S, Hq, D]``."""
@@ -281,38 +277,52 @@ class LongSpecDraft(PreTrainedModel):
             return _fused(self_out.reshape(B, S, -1), packed.weight("self_o", o_proj.weight), o_proj.bias, residual=x)
         return x + o_proj(self_out.reshape(B, S, -1))
 
-    def cross_query(self, h1: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """Cross-attention queries ``[B, S, Hq, D]``, rotated at the tokens' own positions.
+    def _cross_part(self, part: Optional[int]) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module, str]:
+        """(cross_attn, its query norm, the MLP's norm, the MLP, the float8 weight names' prefix) of the block's
+        cross-attention + MLP (``part`` None) or of extra block ``part``."""
+        if part is None:
+            return (self.cross_attn, self.post_self_attention_layernorm, self.post_cross_attention_layernorm,
+                    self.mlp, "")
+        blk = self.extra_blocks[part]
+        return blk.cross_attn, blk.cross_norm, blk.mlp_norm, blk.mlp, f"x{part}."
+
+    def cross_query(self, h1: Tensor, cos: Tensor, sin: Tensor, part: Optional[int] = None) -> Tensor:
+        """Cross-attention queries ``[B, S, Hq, D]``, rotated at the tokens' own positions (``part``: None for the
+        block's cross-attention, i for extra block i's).
 
         ``cross_attn.k_proj`` / ``v_proj`` are dead weights: keys and values are the target's own cache rows.
         """
         B, S, _ = h1.shape
-        ca, norm = self.cross_attn, self.post_self_attention_layernorm
+        ca, norm, _, _, prefix = self._cross_part(part)
         if self._drafting() is not None:
-            q = _fused(h1, self._packed.weight("cross_q", ca.q_proj.weight), ca.q_proj.bias, norm=norm)
+            q = _fused(h1, self._packed.weight(prefix + "cross_q", ca.q_proj.weight), ca.q_proj.bias, norm=norm)
         else:
             q = ca.q_proj(norm(h1))
         return apply_rope(q.view(B, S, ca.num_heads, ca.head_dim), cos, sin)
 
-    def after_cross_attention(self, h1: Tensor, cross: Tensor) -> Tensor:
-        """out = h2 + MLP(N3(h2)) with h2 = h1 + o_proj(cross); cross ``[B, S, Hq, D]``.
+    def after_cross_attention(self, h1: Tensor, cross: Tensor, part: Optional[int] = None) -> Tensor:
+        """out = h2 + MLP(N3(h2)) with h2 = h1 + o_proj(cross); cross ``[B, S, Hq, D]`` (``part`` as
+        :meth:`cross_query`'s).
 
         Drafting runs it as three ``longspec::fused_linear`` launches: o_proj with the residual, N3 + gate/up +
         SwiGLU (the act in the launch when it is SiLU), down_proj with the residual."""
         B, S, _ = h1.shape
-        o_proj, norm, mlp = self.cross_attn.o_proj, self.post_cross_attention_layernorm, self.mlp
+        ca, _, norm, mlp, prefix = self._cross_part(part)
+        o_proj = ca.o_proj
         packed = self._drafting()
         if packed is None:
             h2 = h1 + o_proj(cross.reshape(B, S, -1))
             return h2 + mlp(norm(h2))
-        h2 = _fused(cross.reshape(B, S, -1), self._packed.weight("cross_o", o_proj.weight), o_proj.bias, residual=h1)
-        gate_up = self._packed.weight("gate_up", packed.gate_up_weight)
+        h2 = _fused(cross.reshape(B, S, -1), packed.weight(prefix + "cross_o", o_proj.weight), o_proj.bias,
+                    residual=h1)
+        gate_up_weight, gate_up_bias = packed.gate_up(part)
+        gate_up = packed.weight(prefix + "gate_up", gate_up_weight)
         if self.config.hidden_act in ("silu", "swish"):  # transformers' names of one function
-            act = _fused(h2, gate_up, packed.gate_up_bias, norm=norm, swiglu=True)
+            act = _fused(h2, gate_up, gate_up_bias, norm=norm, swiglu=True)
         else:
-            gate, up = _fused(h2, gate_up, packed.gate_up_bias, norm=norm).chunk(2, dim=-1)
+            gate, up = _fused(h2, gate_up, gate_up_bias, norm=norm).chunk(2, dim=-1)
             act = mlp.act_fn(gate) * up
-        return _fused(act, self._packed.weight("down", mlp.down_proj.weight), mlp.down_proj.bias, residual=h2)
+        return _fused(act, packed.weight(prefix + "down", mlp.down_proj.weight), mlp.down_proj.bias, residual=h2)
 
     def _drafting(self) -> Optional[Packed]:
         """The packed projections while drafting (gradients off, :meth:`pack_for_drafting` done), else None:
@@ -426,9 +436,11 @@ class LongSpecDraft(PreTrainedModel):
         x = self.embed(input_ids)
         cos, sin = self.rope(x, position_ids)
         q, k, v = self.self_qkv(x, cos, sin)
-        h1 = self.after_self_attention(x, windowed_self_attention(q, k, v, position_ids, self.config.window))
-        cross = shifted_cross_attention(self.cross_query(h1, cos, sin), target_key, target_value, delta)
-        return self.after_cross_attention(h1, cross)
+        h = self.after_self_attention(x, windowed_self_attention(q, k, v, position_ids, self.config.window))
+        for part in self._cross_parts():
+            cross = shifted_cross_attention(self.cross_query(h, cos, sin, part), target_key, target_value, delta)
+            h = self.after_cross_attention(h, cross, part)
+        return h
 
     # --- construction, loading, saving ------------------------------------------------------------------------------
 

@@ -24,6 +24,8 @@ class LongSpecDraftConfig(PreTrainedConfig):
     ``head_dim`` defaults to ``hidden_size // num_attention_heads`` (the published drafts' rule); ``window`` is the
     self-attention window W (a query at position t sees keys at positions t-W..t, W + 1 keys with itself).
     ``vocab_size`` is informational: it is checked against the target, whose embeddings and LM head are used.
+    ``extra_cross_blocks`` (0 for the method's, and every published, draft) adds that many cross-attention + MLP
+    blocks after the block (:class:`~longspec.model.draft_blocks.CrossBlock`; not part of the LongSpec method).
     """
 
     model_type = "longspec_draft"
@@ -39,6 +41,7 @@ class LongSpecDraftConfig(PreTrainedConfig):
     initializer_range: float = 0.02
     mlp_bias: bool = False
     window: int = 512
+    extra_cross_blocks: int = 0
 
     def __post_init__(self, **kwargs):
         if self.num_key_value_heads is None:
@@ -56,6 +59,8 @@ class LongSpecDraftConfig(PreTrainedConfig):
             )
         if self.window < 0:
             raise ValueError(f"window must be >= 0, got {self.window}")
+        if isinstance(self.extra_cross_blocks, bool) or self.extra_cross_blocks < 0:
+            raise ValueError(f"extra_cross_blocks must be an int >= 0, got {self.extra_cross_blocks!r}")
 
     @classmethod
     def from_target_config(cls, target_config: PreTrainedConfig, **overrides: Any) -> "LongSpecDraftConfig":

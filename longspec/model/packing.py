@@ -19,7 +19,7 @@ source was written in place (an optimiser step) quantizes it again into the same
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -30,7 +30,8 @@ from longspec_ops.reference.linear import quantize_fp8_rows
 
 @dataclass(frozen=True)
 class Packed:
-    """qkv_weight ``[(Hq + 2 Hkv) D, H]`` (+ qkv_bias), gate_up_weight ``[2 I, H]`` (+ gate_up_bias or None)."""
+    """qkv_weight ``[(Hq + 2 Hkv) D, H]`` (+ qkv_bias), gate_up_weight ``[2 I, H]`` (+ gate_up_bias or None); each
+    extra cross block's MLP's (gate_up weight, bias or None) in ``extra_gate_up``."""
 
     qkv_weight: Tensor
     qkv_bias: Optional[Tensor]
@@ -38,6 +39,11 @@ class Packed:
     gate_up_bias: Optional[Tensor]
     members: tuple[tuple[nn.Parameter, Tensor], ...]  # (parameter, the packed tensor it must be a view of)
     fp8: Optional["Fp8Weights"] = None  # float8 copies of the drafting linears (quantize_linears), or 16-bit
+    extra_gate_up: tuple[tuple[Tensor, Optional[Tensor]], ...] = ()
+
+    def gate_up(self, part: Optional[int]) -> tuple[Tensor, Optional[Tensor]]:
+        """(packed gate/up weight, bias or None) of the block's MLP (``part`` None) or extra block ``part``'s."""
+        return (self.gate_up_weight, self.gate_up_bias) if part is None else self.extra_gate_up[part]
 
     def weight(self, name: str, weight: Tensor) -> tuple[Tensor, Optional[Tensor]]:
         """(weight, float8 row scales or None) drafting reads for ``name``: its float8 copy, else ``weight``."""
@@ -110,24 +116,29 @@ def _pack(layers: list[nn.Linear], attr: str) -> Optional[Tensor]:
     return packed
 
 
-def pack_projections(attn: nn.Module, mlp: nn.Module) -> Packed:
-    """Pack ``attn``'s q/k/v and ``mlp``'s gate/up projections (see the module docstring)."""
+def pack_projections(attn: nn.Module, mlp: nn.Module, extra_mlps: Sequence[nn.Module] = ()) -> Packed:
+    """Pack ``attn``'s q/k/v and the gate/up projections of ``mlp`` and of each of ``extra_mlps`` (see the module
+    docstring)."""
     qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
-    gate_up = [mlp.gate_proj, mlp.up_proj]
+    groups = [qkv] + [[m.gate_proj, m.up_proj] for m in (mlp, *extra_mlps)]
     with torch.no_grad():
-        qkv_w, qkv_b = _pack(qkv, "weight"), _pack(qkv, "bias")
-        gu_w, gu_b = _pack(gate_up, "weight"), _pack(gate_up, "bias")
-    members = tuple((getattr(m, a), t) for group, w, b in ((qkv, qkv_w, qkv_b), (gate_up, gu_w, gu_b))
+        packs = [(_pack(group, "weight"), _pack(group, "bias")) for group in groups]
+    members = tuple((getattr(m, a), t) for group, (w, b) in zip(groups, packs)
                     for m in group for a, t in (("weight", w), ("bias", b)) if t is not None)
-    return Packed(qkv_w, qkv_b, gu_w, gu_b, members)
+    (qkv_w, qkv_b), (gu_w, gu_b) = packs[:2]
+    return Packed(qkv_w, qkv_b, gu_w, gu_b, members, extra_gate_up=tuple(packs[2:]))
 
 
 def drafting_weights(draft: nn.Module, packed: Packed, head: Tensor) -> dict[str, Tensor]:
     """The weights a :class:`~longspec.model.draft.LongSpecDraft` level reads while drafting, by name (``head``: its
-    drafting LM head rows; a tensor-parallel head keeps its own path and is left out)."""
+    drafting LM head rows; a tensor-parallel head keeps its own path and is left out; extra block i's under the
+    prefix ``x{i}.``)."""
     weights = {"qkv": packed.qkv_weight, "self_o": draft.self_attn.o_proj.weight,
                "cross_q": draft.cross_attn.q_proj.weight, "cross_o": draft.cross_attn.o_proj.weight,
                "gate_up": packed.gate_up_weight, "down": draft.mlp.down_proj.weight}
+    for i, blk in enumerate(draft.extra_blocks):
+        weights.update({f"x{i}.cross_q": blk.cross_attn.q_proj.weight, f"x{i}.cross_o": blk.cross_attn.o_proj.weight,
+                        f"x{i}.gate_up": packed.extra_gate_up[i][0], f"x{i}.down": blk.mlp.down_proj.weight})
     if not _is_dtensor(head):
         weights["head"] = head
     return {name: w.detach() for name, w in weights.items()}

@@ -84,6 +84,9 @@ class Scale:
     # the continued draft's MLP units (None: the init draft's); more than it has widens it without changing its
     # function first (longspec.model.draft_grow.widen_mlp)
     long_draft_intermediate: int | None = None
+    # extra cross-attention + MLP blocks appended to the init draft, each starting as the identity
+    # (longspec.model.draft_grow.add_cross_blocks; not the LongSpec method's one-block draft); 0: none
+    long_draft_add_cross_blocks: int = 0
 
 
 SCALES = {

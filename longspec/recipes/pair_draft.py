@@ -57,6 +57,7 @@ class DraftRun:
     init: str | None = None
     ce_weight: float = 1.0
     intermediate: int | None = None
+    add_cross_blocks: int = 0
 
 
 def scratch_draft_run(s: Scale) -> DraftRun:
@@ -65,7 +66,7 @@ def scratch_draft_run(s: Scale) -> DraftRun:
 
 def long_draft_run(s: Scale, init_draft: str | None) -> DraftRun:
     return DraftRun(s.long_draft_seq, s.long_draft_batch, s.long_draft_lr, s.long_draft_kl_weight, s.long_to_seq,
-                    init_draft, s.long_draft_ce_weight, s.long_draft_intermediate)
+                    init_draft, s.long_draft_ce_weight, s.long_draft_intermediate, s.long_draft_add_cross_blocks)
 
 
 def short_draft_run(s: Scale, long_mode: bool) -> DraftRun:
@@ -86,12 +87,19 @@ def train_draft(target, tokenizer, data_jsonl: str, out_dir: str, s: Scale, step
     draft = None
     if run.intermediate is not None and run.init is None:
         raise ValueError(f"long_draft_intermediate ({run.intermediate}) widens a trained draft: it needs --init-draft")
+    if run.add_cross_blocks and run.init is None:
+        raise ValueError(f"long_draft_add_cross_blocks ({run.add_cross_blocks}) grows a trained draft: it needs "
+                         "--init-draft")
     if run.init is not None and not os.path.isfile(os.path.join(out_dir, "latest")):  # a resume loads its own
         draft = LongSpecDraft.from_pretrained(run.init, target=target, dtype=torch.float32)
         if run.intermediate is not None and run.intermediate != draft.config.intermediate_size:
             from longspec.model.draft_grow import widen_mlp
 
             draft = widen_mlp(draft, run.intermediate, seed=SEED)
+        if run.add_cross_blocks:
+            from longspec.model.draft_grow import add_cross_blocks
+
+            draft = add_cross_blocks(draft, run.add_cross_blocks, seed=SEED)
     history = train(cfg, target, tokenizer, draft=draft)
     return history, os.path.join(out_dir, f"checkpoint-{steps}")
 

@@ -73,6 +73,11 @@ def randomize(draft, seed: int = 1, std: float = 0.2) -> None:
     c = draft.config
     heads = (c.num_attention_heads, c.num_key_value_heads)
     sd = published_state_dict(c.hidden_size, heads, c.intermediate_size, seed, std)
+    g = torch.Generator().manual_seed(seed + 1000)
+    for name, t in draft.state_dict().items():  # the extra cross blocks (extra_cross_blocks), if any
+        if name.startswith("extra_blocks."):
+            sd[name] = (1.0 + 0.1 * torch.randn(t.shape, generator=g) if name.endswith("norm.weight")
+                        else torch.randn(t.shape, generator=g) * std)
     draft.load_state_dict(sd)
 
 
@@ -85,7 +90,7 @@ class DenseDraft:
         self.head = target.get_output_embeddings().weight.detach().double()
         c = draft.config
         self.Hq, self.Hkv, self.D = c.num_attention_heads, c.num_key_value_heads, c.hidden_size // c.num_attention_heads
-        self.eps, self.window = c.rms_norm_eps, c.window
+        self.eps, self.window, self.extra = c.rms_norm_eps, c.window, c.extra_cross_blocks
         rope = target.config.rope_parameters
         inv = 1.0 / rope["rope_theta"] ** (torch.arange(0, self.D, 2, dtype=torch.float64) / self.D)
         if rope.get("rope_type", "default") == "linear":
@@ -143,6 +148,15 @@ class DenseDraft:
             n3 = self._norm(h2, "post_cross_attention_layernorm")
             g = self._lin(n3, "mlp.gate_proj")
             out = h2 + self._lin(g * torch.sigmoid(g) * self._lin(n3, "mlp.up_proj"), "mlp.down_proj")
+            for e in range(self.extra):  # extra cross blocks: cross-attention + MLP, no self-attention
+                p = f"extra_blocks.{e}."
+                nq = self._norm(out, p + "cross_norm")
+                qe = self._rope(self._lin(nq, p + "cross_attn.q_proj").view(1, self.Hq, self.D),
+                                positions[item : item + 1])[0]
+                h2 = out + self._lin(self._attend(qe, tk[:n], tv[:n]).reshape(-1), p + "cross_attn.o_proj")
+                nm = self._norm(h2, p + "mlp_norm")
+                g = self._lin(nm, p + "mlp.gate_proj")
+                out = h2 + self._lin(g * torch.sigmoid(g) * self._lin(nm, p + "mlp.up_proj"), p + "mlp.down_proj")
             rows.append(out @ self.head.T)  # no final norm
         return torch.stack(rows)
 

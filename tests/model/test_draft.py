@@ -35,8 +35,9 @@ def test_published_names_and_no_borrowed_parameters(llama):
     assert sorted(names) == sorted(PUBLISHED_TENSOR_NAMES) and len(names) == 20
     assert [n for n, _ in draft.named_children()] == [
         "input_layernorm", "self_attn", "post_self_attention_layernorm",
-        "cross_attn", "post_cross_attention_layernorm", "mlp",
+        "cross_attn", "post_cross_attention_layernorm", "mlp", "extra_blocks",
     ]  # fmt: skip
+    assert len(draft.extra_blocks) == 0  # extra_cross_blocks defaults to 0: the method's one block
     target_params = {id(p) for p in llama.parameters()}
     assert not any(id(p) in target_params for p in draft.parameters())
     for attn in (draft.self_attn, draft.cross_attn):

@@ -308,12 +308,13 @@ def test_long_steps_zero_adopts_the_init_target_and_continues_the_draft(base_pai
     """long_steps=0 (a draft continued against its final target, over several device calls): the recipe's target
     is the init target byte for byte (its tokenizer too), at its own RoPE base, without stage data's token file, and
     the draft starts from --init-draft, here under pure distillation (long_draft_ce_weight=0) and widened
-    (long_draft_intermediate)."""
+    (long_draft_intermediate) and grown by a cross block (long_draft_add_cross_blocks)."""
     from safetensors.torch import load_file
 
     from longspec import LongSpecDraft
 
-    s = scale_with(SCALES["tiny"], ["long_steps=0", "long_draft_ce_weight=0", "long_draft_intermediate=192"])
+    s = scale_with(SCALES["tiny"], ["long_steps=0", "long_draft_ce_weight=0", "long_draft_intermediate=192",
+                                    "long_draft_add_cross_blocks=1"])
     out = tmp_path / "adopt"
     rec = run_recipe(str(out), s, roots=fake_site, device="cpu", stages=("target", "drafts"),
                      init_target=str(base_pair / "target"), init_draft=str(base_pair / "init_draft"))
@@ -325,7 +326,7 @@ def test_long_steps_zero_adopts_the_init_target_and_continues_the_draft(base_pai
     assert set(t["heldout_loss_by_context"]) == set(rec["init"]["target"]["heldout_loss"]) == {"256", "1024"}
     assert rec["draft"]["run"]["init"] == str(base_pair / "init_draft") and rec["draft"]["steps"] == s.draft_steps
     assert (rec["draft"]["run"]["ce_weight"], rec["draft"]["run"]["kl_weight"]) == (0.0, 1.0)
-    assert rec["draft"]["run"]["intermediate"] == 192
+    assert rec["draft"]["run"]["intermediate"] == 192 and rec["draft"]["run"]["add_cross_blocks"] == 1
     cfg = json.loads((out / "draft" / "train_config.json").read_text())
     assert (cfg["ce_weight"], cfg["kl_weight"]) == (0.0, 1.0)
     summary = export_pair(str(out), str(tmp_path / "ship"))
@@ -337,3 +338,4 @@ def test_long_steps_zero_adopts_the_init_target_and_continues_the_draft(base_pai
     norm = trained.input_layernorm.weight.float()
     torch.testing.assert_close(norm, torch.full_like(norm, 0.5), atol=0.05, rtol=0)  # from the init draft
     assert trained.config.intermediate_size == 192 and trained.mlp.down_proj.weight.shape[1] == 192
+    assert trained.config.extra_cross_blocks == 1 and trained.extra_blocks[0].mlp.down_proj.weight.any()

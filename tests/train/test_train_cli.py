@@ -129,19 +129,23 @@ def test_bad_training_input_is_one_line_and_loses_nothing(target_dir, tmp_path, 
 
 
 def test_a_widened_draft_trains_and_resumes_at_its_width(target_dir, tmp_path, capsys):
-    """--draft-intermediate widens the --draft-init draft before training; a rerun with more --steps resumes from
-    the run's own checkpoint at that width, without the flag (the init draft is not loaded again)."""
+    """--draft-intermediate widens the --draft-init draft before training (and --draft-add-cross-blocks appends
+    blocks); a rerun with more --steps resumes from the run's own checkpoint at that width, with those blocks,
+    without the flags (the init draft is not loaded again)."""
     assert main(_train_argv(target_dir, tmp_path)) == 0
     units = json.loads((tmp_path / "out" / "checkpoint-2" / "config.json").read_text())["intermediate_size"]
     wide = tmp_path / "wide"
     argv = ["train", "--target", str(target_dir), "--data", str(tmp_path / "corpus.jsonl"), "--out", str(wide),
             "--seq-len", "64", "--save-every", "1", "--draft-init", str(tmp_path / "out")]
-    assert main([*argv, "--steps", "1", "--draft-intermediate", str(2 * units)]) == 0
+    assert main([*argv, "--steps", "1", "--draft-intermediate", str(2 * units), "--draft-add-cross-blocks", "1"]) == 0
     assert main([*argv, "--steps", "2"]) == 0
     assert "trained to step 2" in capsys.readouterr().err
-    assert json.loads((wide / "checkpoint-2" / "config.json").read_text())["intermediate_size"] == 2 * units
+    config = json.loads((wide / "checkpoint-2" / "config.json").read_text())
+    assert config["intermediate_size"] == 2 * units and config["extra_cross_blocks"] == 1
     refused = {"--draft-intermediate widens the --draft-init draft: give --draft-init too":
                [*argv[:5], "--out", str(tmp_path / "a"), "--draft-intermediate", "64"],
+               "--draft-add-cross-blocks grows the --draft-init draft: give --draft-init too":
+               [*argv[:5], "--out", str(tmp_path / "a"), "--draft-add-cross-blocks", "1"],
                f"--draft-intermediate {units // 2}: intermediate_size must be an int larger than the draft's ({units})":
                [*argv[:5], "--out", str(tmp_path / "b"), *argv[7:], "--draft-intermediate", str(units // 2)]}
     for message, bad in refused.items():
