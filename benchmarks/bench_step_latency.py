@@ -68,16 +68,17 @@ from longspec.testing import PUBLISHED_CONFIGS
 def measure(name: str, contexts: list[int], compiles: list[bool], draft_vocab: int, iters: int, peaks: dict,
             on_row=lambda row: None, tp: bool = False, cuda_graphs: bool = True, device: str = "cuda",
             numerics: tuple[str, ...] = ("fast",), trees: Sequence[tuple[int, ...]] = (TREE,), profile=None,
-            fp8: bool = False, mlp_ratio: float = 1.0) -> list:
+            fp8: bool = False, mlp_ratio: float = 1.0, cross_blocks: int = 0) -> list:
     """One row per (compile, numerics, context) for the first tree, and per other tree at the longest context.
     ``profile``: a callable taking (model, context, kernel
     table) of the first tree's draft step with the reduced vocabulary (the full one without it), for every context
     of the compiled fast rows. ``fp8``: also the draft with float8 weight copies (full and reduced vocabulary).
-    ``mlp_ratio``: a published shape's draft MLP at this many times the target's units."""
+    ``mlp_ratio``: a published shape's draft MLP at this many times the target's units; ``cross_blocks``: its
+    extra cross-attention blocks."""
     from longspec import LongSpecDrafter, Numerics, SpeculativeDecoder
     from longspec.model.draft import frequent_tokens
 
-    target, draft = target_and_draft(name, device, tp, mlp_ratio)
+    target, draft = target_and_draft(name, device, tp, mlp_ratio, cross_blocks)
     vocab = target.get_output_embeddings().weight.shape[0]
     reduced = None
     if 0 < draft_vocab < vocab:
@@ -362,6 +363,9 @@ def main(argv=None) -> None:
     ap.add_argument("--draft-mlp-ratio", type=float, default=1.0, metavar="R",
                     help="published shapes' drafts with R times the target's MLP units (the price of a widened "
                          "draft); the shipped pair's draft is as trained")
+    ap.add_argument("--draft-cross-blocks", type=int, default=0, metavar="K",
+                    help="published shapes' drafts with K extra cross-attention + MLP blocks (the price of "
+                         "extra_cross_blocks); the shipped pair's draft is as trained")
     ap.add_argument("--adaptive", action="store_true",
                     help="only the adaptive / merged rounds (step_latency_adaptive), not the floors")
     a = ap.parse_args(argv)
@@ -370,6 +374,8 @@ def main(argv=None) -> None:
         return
     if not a.draft_mlp_ratio > 0:
         ap.error(f"argument --draft-mlp-ratio: must be > 0, got {a.draft_mlp_ratio}")
+    if a.draft_cross_blocks < 0:
+        ap.error(f"argument --draft-cross-blocks: must be >= 0, got {a.draft_cross_blocks}")
     inductor = _inductor_settings(ap, a.inductor)
     taus = read_tree_tau(a.tree_tau)
     if not torch.cuda.is_available():
@@ -406,6 +412,8 @@ def main(argv=None) -> None:
     meta = {"trees": " ".join(a.trees), "copy TB/s": round(peaks["copy_bytes_per_s"] / 1e12, 2)}
     if a.draft_mlp_ratio != 1.0:
         meta["draft_mlp_ratio"] = a.draft_mlp_ratio
+    if a.draft_cross_blocks:
+        meta["draft_cross_blocks"] = a.draft_cross_blocks
     if inductor:
         meta["inductor"] = " ".join(f"{k}={v}" for k, v in inductor.items())
     if a.tp:
@@ -431,7 +439,8 @@ def main(argv=None) -> None:
         vocab_size = a.draft_vocab if name != "pair" else min(a.draft_vocab, 2048)
         measure(name, a.contexts, compiles, vocab_size, a.iters, peaks, on_row, tp=a.tp,
                 cuda_graphs=a.cuda_graphs == "on", device=device, numerics=numerics, trees=trees,
-                profile=on_profile if a.profile else None, fp8=a.fp8, mlp_ratio=a.draft_mlp_ratio)
+                profile=on_profile if a.profile else None, fp8=a.fp8, mlp_ratio=a.draft_mlp_ratio,
+                cross_blocks=a.draft_cross_blocks)
         torch.cuda.empty_cache()
     if _main_rank():
         print((write(rows, meta, a.out, suite=suite, taus=taus) / f"{suite}.md").read_text(), flush=True)

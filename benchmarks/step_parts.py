@@ -11,11 +11,13 @@ import torch
 TREE = (4, 16, 16, 16, 16)
 
 
-def target_and_draft(name: str, device: str = "cuda", tp: bool = False, mlp_ratio: float = 1.0):
+def target_and_draft(name: str, device: str = "cuda", tp: bool = False, mlp_ratio: float = 1.0,
+                     cross_blocks: int = 0):
     """(target, draft) in bf16: a published config with a fresh draft, or the shipped trained pair. ``tp``: the
     target sharded over the ``torchrun`` launch (the draft whole on every rank, the same on every rank).
     ``mlp_ratio``: a published shape's draft MLP has this many times the target's units (a widened draft,
-    :func:`longspec.model.draft_grow.widen_mlp`); the shipped pair's draft is as it was trained."""
+    :func:`longspec.model.draft_grow.widen_mlp`); ``cross_blocks``: it has that many extra cross-attention + MLP
+    blocks (``extra_cross_blocks``); the shipped pair's draft is as it was trained."""
     from longspec import LongSpecDraft
     from longspec.testing import published_target
 
@@ -30,7 +32,7 @@ def target_and_draft(name: str, device: str = "cuda", tp: bool = False, mlp_rati
     torch.manual_seed(0)  # the same draft on every rank
     units = round(mlp_ratio * target.config.get_text_config().intermediate_size)
     with torch.device(device):
-        draft = LongSpecDraft.from_target(target, intermediate_size=units)
+        draft = LongSpecDraft.from_target(target, intermediate_size=units, extra_cross_blocks=cross_blocks)
     return target, draft
 
 
@@ -137,7 +139,7 @@ def draft_floor_us(draft, target, context: int, depth: int, vocab_rows: int, cop
                    fp8: bool = False) -> float:
     """The bytes a draft step must read over the copy bandwidth: per level (``depth`` levels run) the block's live
     weights (not the dead cross-attention k/v projections), ``vocab_rows`` rows of the LM head and the target's
-    last-layer K/V of the committed rows (the cross-attention). ``fp8``: the linears' weights and the head rows
+    last-layer K/V of the committed rows once per cross-attention (the block's and each extra block's). ``fp8``: the linears' weights and the head rows
     at one byte an element plus a float32 scale a row (``LongSpecDrafter(weight_dtype=torch.float8_e4m3fn)``)."""
     dead = {"cross_attn.k_proj.weight", "cross_attn.k_proj.bias", "cross_attn.v_proj.weight", "cross_attn.v_proj.bias"}
     live = [(n, p) for n, p in draft.named_parameters() if n not in dead]
@@ -149,7 +151,7 @@ def draft_floor_us(draft, target, context: int, depth: int, vocab_rows: int, cop
     head_bytes = vocab_rows * head.shape[1] * (1 if fp8 else head.element_size()) + (4 * vocab_rows if fp8 else 0)
     c = draft.config
     kv = 2 * context * c.num_key_value_heads * c.head_dim * head.element_size()
-    return depth * (block + head_bytes + kv) / copy_bytes_per_s * 1e6
+    return depth * (block + head_bytes + (1 + c.extra_cross_blocks) * kv) / copy_bytes_per_s * 1e6
 
 
 def linear_floor_us(target, rows: int, iters: int) -> float:
