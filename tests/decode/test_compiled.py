@@ -20,13 +20,14 @@ FAMILY = "llama-gqa-d64"
 
 def test_compiled_decoding_is_exact():
     """Plain, LongSpec-tree, prompt-lookup and merged (LongSpec + prompt lookup) decoding with compile=True
-    reproduce transformers' greedy output; a second generate on the same decoder reuses what was compiled and stays
-    exact."""
+    reproduce transformers' greedy output (the LongSpec tree's draft with an extra cross block, the merged one's
+    without); a second generate on the same decoder reuses what was compiled and stays exact."""
     target = tiny_target(FAMILY)
     ids, mask = ragged_batch([37, 22], seed=4, period=9)
     want, scores = hf_greedy(target, ids, mask, 24)
     draft = LongSpecDraft.from_target(target)
-    for drafter, shape in ((None, (1,)), (LongSpecDrafter(draft), (2, 4, 4)), (PromptLookupDrafter(), (3, 3)),
+    grown = LongSpecDraft.from_target(target, extra_cross_blocks=1)
+    for drafter, shape in ((None, (1,)), (LongSpecDrafter(grown), (2, 4, 4)), (PromptLookupDrafter(), (3, 3)),
                            (MergedDrafter(LongSpecDrafter(draft), PromptLookupDrafter()),
                             TreeSpec.merged((2, 2), (1, 1)))):
         dec = SpeculativeDecoder(target, drafter, tree_shape=shape, compile=True)
