@@ -28,7 +28,6 @@ constant-size caches. ``forward`` runs a whole sequence at once (training, tests
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, replace
 from typing import Any, Optional
@@ -46,14 +45,10 @@ from longspec.model.draft_attention import (
 from longspec.model.draft_blocks import CrossBlock, LongSpecAttention, apply_rope
 from longspec.model.draft_config import LongSpecDraftConfig, check_target_compatible
 from longspec.model.draft_files import (
-    DRAFT_VOCAB_FILE,
-    _check_state_dict,
     _is_dtensor,
-    _read_state_dict,
-    _resolve,
-    _strip_prefix,
     count_tokens,
     frequent_tokens,
+    load_draft,
     load_draft_vocab,
     save_draft_vocab,
 )
@@ -475,26 +470,7 @@ class LongSpecDraft(PreTrainedModel):
             ValueError: missing or unexpected tensors (named), a tensor shape that does not fit the geometry, or a
                 checkpoint whose vocabulary/hidden size/heads differ from the target's.
         """
-        path = _resolve(pretrained_model_name_or_path)
-        config_file = (path if path.is_dir() else path.parent) / "config.json"
-        if config_file.is_file():
-            config = LongSpecDraftConfig.from_checkpoint_json(json.loads(config_file.read_text()), target.config)
-        else:
-            config = LongSpecDraftConfig.from_target_config(target.config)
-        check_target_compatible(config, target)
-        state = _strip_prefix(_read_state_dict(path))
-        ref = next(target.parameters())
-        with torch.device("meta"):
-            draft = cls(config)
-        _check_state_dict(draft, state)
-        dtype, device = dtype or ref.dtype, device or ref.device
-        state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
-        draft.load_state_dict(state, strict=True, assign=True)
-        draft = draft.eval().bind_target(target)
-        vocab_file = (path if path.is_dir() else path.parent) / DRAFT_VOCAB_FILE
-        if vocab_file.is_file():
-            draft.set_draft_vocab(load_draft_vocab(vocab_file))
-        return draft
+        return load_draft(cls, pretrained_model_name_or_path, target, dtype, device)
 
     # save_pretrained is transformers': config.json (LongSpecDraftConfig) + model.safetensors with the 20 names, no
     # prefix (the borrowed target is not a submodule, so it is not saved); from_pretrained reads it back.

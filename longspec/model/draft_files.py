@@ -1,5 +1,5 @@
-"""The draft's files: reading checkpoints (published drafts, ours, training runs, single weight files) and the
-drafting vocabulary on disk (``draft_vocab.json``) with the counts it is chosen from."""
+"""The draft's files: reading and loading checkpoints (published drafts, ours, training runs, single weight files)
+and the drafting vocabulary on disk (``draft_vocab.json``) with the counts it is chosen from."""
 from __future__ import annotations
 
 import json
@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from longspec.model.draft_config import LongSpecDraftConfig, check_target_compatible
 from longspec.runs import resolve_checkpoint
 
 if TYPE_CHECKING:
@@ -154,3 +155,30 @@ def _check_state_dict(draft: LongSpecDraft, state: dict[str, Tensor]) -> None:
             raise ValueError(
                 f"draft checkpoint tensor {name} has shape {tuple(state[name].shape)}, expected {shape} ({geometry})"
             )
+
+
+def load_draft(cls: type[LongSpecDraft], name_or_path: str | os.PathLike, target: torch.nn.Module,
+               dtype: torch.dtype | None, device: torch.device | str | None) -> LongSpecDraft:
+    """:meth:`LongSpecDraft.from_pretrained` (which says what it reads): the checkpoint's config (or the target's
+    geometry), its tensors checked against the geometry, bound to ``target``, with its drafting vocabulary if any."""
+    path = _resolve(name_or_path)
+    folder = path if path.is_dir() else path.parent
+    config_file = folder / "config.json"
+    if config_file.is_file():
+        config = LongSpecDraftConfig.from_checkpoint_json(json.loads(config_file.read_text()), target.config)
+    else:
+        config = LongSpecDraftConfig.from_target_config(target.config)
+    check_target_compatible(config, target)
+    state = _strip_prefix(_read_state_dict(path))
+    ref = next(target.parameters())
+    with torch.device("meta"):
+        draft = cls(config)
+    _check_state_dict(draft, state)
+    dtype, device = dtype or ref.dtype, device or ref.device
+    state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
+    draft.load_state_dict(state, strict=True, assign=True)
+    draft = draft.eval().bind_target(target)
+    vocab_file = folder / DRAFT_VOCAB_FILE
+    if vocab_file.is_file():
+        draft.set_draft_vocab(load_draft_vocab(vocab_file))
+    return draft

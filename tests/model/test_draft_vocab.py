@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from longspec import LongSpecDraft, LongSpecDrafter, SpeculativeDecoder
-from longspec.model.draft import DRAFT_VOCAB_FILE, count_tokens, frequent_tokens, load_draft_vocab
+from longspec.model.draft_files import DRAFT_VOCAB_FILE, count_tokens, frequent_tokens, load_draft_vocab
 
 from ..decode.tiny_targets import assert_same_tokens, hf_greedy, ragged_batch, tiny_target
 
