@@ -271,7 +271,11 @@ def merge(paths: list[str], tree_tau: Optional[str], out: Optional[str]) -> None
     if len(shas) != 1:
         raise SystemExit(f"--merge: the runs come from different commits {sorted(shas)}")
     rows = [row for r in runs for row in r["rows"]]
-    meta = {k: v for r in runs for k, v in r["meta"].items()}
+    meta = {}
+    for r in runs:  # a key whose runs disagree (trees, copy TB/s) lists each distinct value
+        for k, v in r["meta"].items():
+            meta.setdefault(k, []).append(str(v))
+    meta = {k: " / ".join(dict.fromkeys(v)) for k, v in meta.items()}
     columns = COLUMNS + (TREE_COLUMNS if add_tree_tau(rows, meta, read_tree_tau(tree_tau)) else [])
     write_results("step_latency", rows, out, meta=meta, title="Round cost at real sizes", notes=NOTES,
                   columns=columns, plot=_plot, env=runs[0]["environment"])
