@@ -18,16 +18,17 @@ from benchmarks.harness import write_results
 
 
 def project(e2e_rows: list[dict], step_rows: list[dict], context: int, method: str,
-            prompts: str = "repository") -> list[dict]:
-    """One row per (model, compile, temperature) measured at ``context`` on ``prompts`` (a bench_e2e prompt kind)."""
+            prompts: str = "repository", tree: str = "4-16-16-16-16") -> list[dict]:
+    """One row per (model, compile, temperature) measured at ``context`` on ``prompts`` (a bench_e2e prompt kind);
+    ``tree`` picks the step rows, and must be the tree ``method`` decoded with end to end."""
     pair_rows = {r["T"]: r for r in e2e_rows if r["context"] == context and r["method"] == method
                  and r.get("prompts", "repository") == prompts}
     if not pair_rows:
         raise ValueError(f"no {method!r} row at context {context} in the e2e results")
     steps = [r for r in step_rows if r["context"] == context and r["model"] != "pair"
-             and r.get("tree", "4-16-16-16-16") == "4-16-16-16-16"]  # the tree the pair's e2e rows decoded with
+             and r.get("tree", "4-16-16-16-16") == tree]
     if not steps:
-        raise ValueError(f"no step-latency row at context {context} for a real-size model")
+        raise ValueError(f"no step-latency row at context {context} with tree {tree} for a real-size model")
     out = []
     for s in steps:
         for temperature, p in sorted(pair_rows.items()):
@@ -63,6 +64,8 @@ def main(argv=None) -> None:
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--method", default="LongSpec tree")
     ap.add_argument("--prompts", default="repository", help="the bench_e2e prompt kind whose acceptance to project")
+    ap.add_argument("--tree", default="4-16-16-16-16",
+                    help="the step rows' tree: the one --method decoded with (e.g. 'LongSpec tree 4-12-12-12-12')")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     with open(a.e2e) as f:
@@ -70,11 +73,11 @@ def main(argv=None) -> None:
     with open(a.steps) as f:
         steps = json.load(f)
     try:
-        rows = project(e2e["rows"], steps["rows"], a.context, a.method, a.prompts)
+        rows = project(e2e["rows"], steps["rows"], a.context, a.method, a.prompts, a.tree)
     except ValueError as err:
         ap.error(str(err))
     meta = {"e2e": a.e2e, "e2e_git_sha": e2e.get("environment", e2e.get("meta", {})).get("git_sha"),
-            "steps": a.steps, "steps_git_sha": steps.get("meta", {}).get("git_sha"), "method": a.method}
+            "steps": a.steps, "steps_git_sha": steps.get("meta", {}).get("git_sha"), "method": a.method, "tree": a.tree}
     write_results("projection", rows, a.out, meta=meta, title=f"Projected speedup at {a.context} tokens",
                   columns=COLUMNS, env=e2e.get("environment"),
                   notes=["speedup = the pair's measured tau x plain step / LongSpec round (both measured); "
