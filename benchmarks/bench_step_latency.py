@@ -141,8 +141,9 @@ def _tree_row(name, context, compile, mode, tree, d, spec, draft, target, reduce
         spec_r = SpeculativeDecoder(target, LongSpecDrafter(draft, weight_dtype=weight_dtype), tree_shape=tree,
                                     cuda_graphs=cuda_graphs, compile=compile, numerics=Numerics[mode.upper()])
         r = round_times(spec_r, context, iters)
-        if profiling and key in ("reduced", "fp8_reduced"):
-            profile(f"{name}{' fp8' if weight_dtype else ''}", context, profile_draft(spec_r, context))
+        if profiling:  # every drafting variant: the float8 full-vocabulary one has its own target (issue 32)
+            label = f"{name}{' fp8' if weight_dtype else ''}{' full vocabulary' if vocab_ids is None else ''}"
+            profile(label, context, profile_draft(spec_r, context))
         if vocab_ids is not None:
             row["draft_vocab"] = vocab_ids.numel()
         row[f"draft_{key}_us"] = r["phases_us"]["draft"]
