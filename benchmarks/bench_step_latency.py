@@ -423,8 +423,6 @@ def main(argv=None) -> None:
         meta["inductor"] = " ".join(f"{k}={v}" for k, v in inductor.items())
     if a.tp:
         meta["tensor_parallel"] = world
-    if os.environ.get("LONGSPEC_PDL", "1") == "0":
-        meta["LONGSPEC_PDL"] = "0 (plain launches)"
     suite = f"step_latency_tp{world}" if a.tp else "step_latency"
     rows = []
 

@@ -276,7 +276,6 @@ def _merge_splits_kernel(
 ):
     if PDL:
         gdc_wait()  # the split kernel's partials are complete and visible past this point
-        gdc_launch_dependents()  # a PDL-launched next kernel (a draft level's o_proj) may launch and prefetch
     bh = tl.program_id(1)
     b, hk, rows, row_ok = _row_tile(tl.program_id(0), bh, HKV, R, BLOCK_R)
     offs_d = tl.arange(0, D_PAD)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import enum
 import functools
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -171,10 +170,8 @@ def _capability(device: torch.device) -> tuple[int, int]:
 
 
 def _has_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch: sm_90+ (the interpreter cannot run its PTX), unless the environment sets
-    ``LONGSPEC_PDL=0`` (every kernel then launches plainly: for profilers that show overlapped kernels confusingly,
-    and to measure what PDL saves). Read at each launch, so it applies to graphs captured after it is set."""
-    return _capability(device) >= (9, 0) and os.environ.get("LONGSPEC_PDL", "1") != "0"
+    """Programmatic dependent launch: sm_90+ (the interpreter cannot run its PTX)."""
+    return _capability(device) >= (9, 0)
 
 
 def _cdiv(a: int, b: int) -> int:

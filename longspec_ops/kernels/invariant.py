@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .attention import _LN2, _merge_step, _row_tile
 
@@ -114,11 +113,8 @@ def _rms_norm_kernel(
     W,  # (H,)
     Y,  # (R, H) contiguous, promote(X, W) dtype
     H, stride_xr, eps,
-    BLOCK: tl.constexpr, PDL: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    if PDL:  # launched early (programmatic dependent launch): let the next kernel launch and prefetch its weights
-        gdc_launch_dependents()  # while this short one waits for x and runs (kernels/linear.py, PDL)
-        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     ok = offs < H

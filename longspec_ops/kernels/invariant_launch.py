@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .attention import _LOG2E
-from .configs import _cdiv, _has_pdl, _next_pow2, _num_sms
+from .configs import _cdiv, _next_pow2, _num_sms
 from .invariant import (_invariant_merge_kernel, _invariant_split_kernel, _linear_kernel, _rms_norm_kernel,
                         _split_k_sum_kernel)
 from .launch import _dot_precision
@@ -191,9 +191,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     y = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     if x2.shape[0]:
         block = _next_pow2(H)
-        pdl = _has_pdl(x.device)
-        _rms_norm_kernel[(x2.shape[0],)](x2, weight, y, H, x2.stride(0), eps, BLOCK=block, PDL=pdl,
-                                         num_warps=4 if block <= 4096 else 8, launch_pdl=pdl)
+        _rms_norm_kernel[(x2.shape[0],)](x2, weight, y, H, x2.stride(0), eps, BLOCK=block,
+                                         num_warps=4 if block <= 4096 else 8)
     return y.reshape(x.shape)
 
 

@@ -23,14 +23,7 @@ float8 conversion's dependent instructions stall), for one more launch. Around t
 * ``HAS_SCALE``: ``weight`` is float8_e4m3fn with one float32 scale per row (weight-only FP8, half the bytes of a
   16-bit weight: a skinny GEMM is a weight read). Each loaded tile is converted to x's dtype (exact: every e4m3
   value is a bfloat16 / float16 value) and the float32 accumulator is scaled per column before the bias, as
-  :func:`longspec_ops.reference.linear.fused_linear` defines it;
-* ``PDL`` (sm_90+, unless ``LONGSPEC_PDL=0``): programmatic dependent launch. A draft level is a chain of short
-  weight reads (q/k/v, attention, o_proj, norm, gate/up, down, ..., LM head), each ramping up from and draining
-  to an idle memory system. Launched with ``launch_pdl``, a program may start while the previous kernel still
-  runs: it asks L2 for the first ``PREFETCH`` bytes of each of its weight rows (``cp.async.bulk.prefetch.L2``:
-  the weights never depend on the previous kernel), then waits (``griddepcontrol.wait``) for the previous grid
-  to finish and its writes to be visible before it reads x, and lets the next kernel launch in turn. The
-  split-K reduce and ``longspec::rms_norm`` (:mod:`.invariant`) take part in the chain.
+  :func:`longspec_ops.reference.linear.fused_linear` defines it.
 
 Every intermediate is rounded to x's dtype where the unfused ops round (bias into the float32 accumulator, then
 the activation, the product and the residual add each in x's dtype), so the fused result differs from the
@@ -54,16 +47,14 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..reference import linear as _ref
-from .configs import _has_pdl, _num_sms
+from .configs import _num_sms
 from .launch import _dot_precision
 
 MAX_ROWS = 16  # rows the kernel takes in one launch (one tensor-core tile); more rows take the composed path
 NORM_IN_KERNEL_BELOW = 2048  # K from which the norm is its own launch (see HAS_NORM in the module docstring)
 _REDUCE_BLOCK_N = 64  # output columns per program of the split-K reduce
-PREFETCH_PER_PROGRAM = 32 * 1024  # weight bytes a program asks L2 for before it waits (PDL): ~4-9 MB a wave
 
 
 @dataclass(frozen=True)
@@ -75,7 +66,6 @@ class LinearConfig:
     num_warps: int = 4
     num_stages: int = 3
     split_k: int = 1  # programs along K per output tile; > 1: float32 partials, then one reduce + epilogue launch
-    pdl: bool = True  # programmatic dependent launch with the weight prefetch (sm_90+; see PDL above)
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
@@ -130,13 +120,6 @@ def _from_fp8(w, dtype: tl.constexpr):
     return w.to(dtype)
 
 
-@triton.jit
-def _prefetch_l2(ptrs, nbytes):
-    """Ask L2 for ``nbytes`` (a multiple of 16) from each 16-byte aligned address of ``ptrs`` (sm_90+)."""
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-                              [ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
 @triton.jit(do_not_specialize=["M"])
 def _fused_linear_kernel(
     X,  # (M, K), stride(-1) == 1
@@ -153,19 +136,8 @@ def _fused_linear_kernel(
     HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, SWIGLU: tl.constexpr,
     HAS_SCALE: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH: tl.constexpr,  # PREFETCH: bytes of each weight row to prefetch (PDL only; 0: none)
 ):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_lo = tl.program_id(1) * k_per
-    if PDL:
-        if PREFETCH > 0:
-            rows = tl.minimum(rn, N_OUT - 1).to(tl.int64)
-            nbytes = tl.full([BLOCK_N], PREFETCH, tl.int32)
-            _prefetch_l2(W + (rows * stride_wn + k_lo), nbytes)
-            if SWIGLU:  # and the up rows
-                _prefetch_l2(W + ((rows + N_OUT) * stride_wn + k_lo), nbytes)
-        gdc_wait()  # the previous kernel (x, residual) is complete and visible past this point
-        gdc_launch_dependents()
     rm = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = rm < M
@@ -182,6 +154,7 @@ def _fused_linear_kernel(
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = acc  # the up columns' sums (SWIGLU only)
+    k_lo = tl.program_id(1) * k_per
     for k0 in range(k_lo, tl.minimum(K, k_lo + k_per), BLOCK_K):
         rk = k0 + offs_k
         if EVEN_K:  # K a multiple of BLOCK_K (real model widths): the masks are loop-invariant, no per-step compares
@@ -251,12 +224,9 @@ def _split_k_reduce_kernel(
     WS, SCALE, BIAS, RES, Y,  # as in _fused_linear_kernel
     M, N_OUT, stride_rm,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SWIGLU: tl.constexpr, HAS_SCALE: tl.constexpr,
-    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Sum the SPLIT partial tiles in split order (deterministic: no atomics), then the epilogue."""
-    if PDL:  # a short kernel: let the next one launch (and prefetch) while this one waits and runs
-        gdc_launch_dependents()
-        gdc_wait()
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     m_ok = rm < M
@@ -278,17 +248,6 @@ def _rows(t: Tensor, width: int) -> Tensor:
     """``t`` [..., width] as a 2-D [rows, width] tensor with a contiguous last dim (a view when possible)."""
     t2 = t.reshape(-1, width)
     return t2 if t2.stride(-1) == 1 or width <= 1 else t2.contiguous()
-
-
-def _prefetch_bytes(weight: Tensor, K: int, k_per: int, split: int, rows_per_program: int) -> int:
-    """Bytes of each weight row a program prefetches under PDL: :data:`PREFETCH_PER_PROGRAM` over its rows, in
-    whole 128-byte lines, within the shortest split's K; 0 where the bulk prefetch's 16-byte alignment fails."""
-    elt = weight.element_size()
-    if weight.data_ptr() % 16 or (weight.stride(0) * elt) % 16 or (k_per * elt) % 16:
-        return 0
-    shortest = (K - (split - 1) * k_per) * elt
-    nbytes = min(PREFETCH_PER_PROGRAM // rows_per_program, shortest) // 16 * 16
-    return nbytes if nbytes >= 128 else 0
 
 
 def fused_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], norm_weight: Optional[Tensor], eps: float,
@@ -321,8 +280,6 @@ def fused_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], norm_weight:
         n_tiles = triton.cdiv(n_out, config.block_n)
         flags = dict(HAS_BIAS=bias is not None, HAS_RES=residual is not None, SWIGLU=bool(swiglu),
                      HAS_SCALE=weight_scale is not None)
-        pdl = config.pdl and _has_pdl(x.device)
-        prefetch = _prefetch_bytes(weight, K, k_per, split, config.block_n * (2 if swiglu else 1)) if pdl else 0
         _fused_linear_kernel[(n_tiles, split)](
             x2, weight, scale, bias_arg, norm_weight if norm_weight is not None else x2,
             res2, out, ws,
@@ -330,13 +287,13 @@ def fused_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], norm_weight:
             HAS_NORM=norm_weight is not None, **flags,
             EVEN_K=K % config.block_k == 0, SPLIT=split,
             BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            DOT_PRECISION=_dot_precision(x.dtype), PDL=pdl, PREFETCH=prefetch,
-            num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
+            DOT_PRECISION=_dot_precision(x.dtype),
+            num_warps=config.num_warps, num_stages=config.num_stages,
         )
         if split > 1:
             _split_k_reduce_kernel[(triton.cdiv(n_out, _REDUCE_BLOCK_N),)](
                 ws, scale, bias_arg, res2, out, M, n_out, res2.stride(0), **flags,
-                SPLIT=split, BLOCK_M=MAX_ROWS, BLOCK_N=_REDUCE_BLOCK_N, PDL=pdl, num_warps=4, launch_pdl=pdl,
+                SPLIT=split, BLOCK_M=MAX_ROWS, BLOCK_N=_REDUCE_BLOCK_N, num_warps=4,
             )
     return out.view(*x.shape[:-1], n_out)
 

@@ -12,9 +12,8 @@ pytest.importorskip("triton")
 from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
 
 import longspec_ops  # noqa: E402,F401
-from longspec_ops.kernels.configs import _has_pdl  # noqa: E402
-from longspec_ops.kernels.linear import (MAX_ROWS, NORM_IN_KERNEL_BELOW, PREFETCH_PER_PROGRAM,  # noqa: E402
-                                         LinearConfig, _prefetch_bytes, default_config, fused_linear)
+from longspec_ops.kernels.linear import (MAX_ROWS, NORM_IN_KERNEL_BELOW, LinearConfig, default_config,  # noqa: E402
+                                         fused_linear)
 from longspec_ops.reference import linear as ref  # noqa: E402
 
 from .test_invariant_kernels import _row_local_dot  # noqa: E402,F401
@@ -281,67 +280,3 @@ def test_opcheck_fp8_weight(device):
     # not implement ("mul_cpu_reduced_float" for Float8_e4m3fn); the 16-bit cases run it (test_reference.py)
     torch.library.opcheck(torch.ops.longspec.fused_linear, args,
                           test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
-
-
-def test_prefetch_bytes_rule():
-    """Under PDL a program prefetches PREFETCH_PER_PROGRAM over its weight rows, within the shortest split, in
-    16-byte multiples; nothing where a row or split start is not 16-byte aligned, or under one 128-byte line."""
-    w8 = torch.zeros(64, 4096, dtype=torch.float8_e4m3fn)
-    assert _prefetch_bytes(w8, 4096, 4096, 1, 32) == PREFETCH_PER_PROGRAM // 32 == 1024
-    assert _prefetch_bytes(w8, 4096, 4096, 1, 2 * 32) == 512  # SwiGLU: gate and up rows
-    assert _prefetch_bytes(w8, 4096, 2048, 2, 8) == 2048  # the split's K caps it
-    w16 = torch.zeros(64, 72, dtype=torch.float16)
-    assert _prefetch_bytes(w16, 72, 80, 1, 16) == 144  # the whole row
-    assert _prefetch_bytes(w16, 72, 32, 3, 16) == 0  # the last split has 8 keys: 16 bytes
-    assert _prefetch_bytes(torch.zeros(64, 48, dtype=torch.float16), 48, 48, 1, 16) == 0  # 96 bytes
-    assert _prefetch_bytes(w16[:, 1:], 71, 71, 1, 16) == 0  # a base off the 16-byte grid
-
-
-def test_pdl_env_switch(monkeypatch):
-    """``LONGSPEC_PDL=0`` turns programmatic dependent launch off at the next launch; CPU tensors never use it."""
-    assert not _has_pdl(torch.device("cpu"))
-    if torch.cuda.is_available():
-        monkeypatch.setenv("LONGSPEC_PDL", "1")
-        assert _has_pdl(torch.device("cuda")) == (torch.cuda.get_device_capability() >= (9, 0))
-        monkeypatch.setenv("LONGSPEC_PDL", "0")
-        assert not _has_pdl(torch.device("cuda"))
-
-
-@pytest.mark.requires_cuda
-@pytest.mark.skipif(INTERPRET, reason="programmatic dependent launch needs a GPU")
-def test_a_pdl_chain_in_a_cuda_graph_equals_plain_launches(monkeypatch):
-    """A draft level's chain of linears at Llama-3-8B's width with float8 weights (q/k/v with its norm launch,
-    o_proj + residual, N + gate/up + SwiGLU, down with split K and its reduce + residual), captured in one CUDA
-    graph with programmatic dependent launch and replayed with fresh inputs: bit for bit the plain launches'
-    result. A kernel reading its input before the previous one finished would differ (sm_90+; elsewhere both
-    runs launch plainly)."""
-    H, I = 4096, 8192
-    g = torch.Generator().manual_seed(7)
-
-    def w8(n, k):
-        return tuple(t.to("cuda") for t in ref.quantize_fp8_rows(torch.randn(n, k, generator=g) * k ** -0.5))
-
-    qkv, o, gu, down = w8(1536, H), w8(H, 1024), w8(2 * I, H), w8(H, I)
-    n1, n2 = ((1 + 0.1 * torch.randn(H, generator=g)).to("cuda", torch.bfloat16) for _ in range(2))
-    x = torch.empty(MAX_ROWS, H, dtype=torch.bfloat16, device="cuda")
-    op = torch.ops.longspec.fused_linear
-
-    def level(x):
-        q = op(x, qkv[0], None, n1, 1e-5, None, False, qkv[1])
-        h = op(q[:, :1024].contiguous(), o[0], None, None, 1e-5, x, False, o[1])
-        a = op(h, gu[0], None, n2, 1e-5, None, True, gu[1])
-        return op(a, down[0], None, None, 1e-5, h, False, down[1])
-
-    inputs = [torch.randn(MAX_ROWS, H, generator=g).to("cuda", torch.bfloat16) for _ in range(3)]
-    monkeypatch.setenv("LONGSPEC_PDL", "0")
-    want = [level(t) for t in inputs]
-    monkeypatch.setenv("LONGSPEC_PDL", "1")
-    x.copy_(inputs[0])
-    level(x)  # compile the PDL variants outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = level(x)
-    for t, w in zip(inputs, want):
-        x.copy_(t)
-        graph.replay()
-        torch.testing.assert_close(out, w, rtol=0, atol=0)
