@@ -6,7 +6,8 @@ calls in one CUDA graph, logits warm in L2 (the LM head has just written them), 
 Every plan must pick the reference's pairs. Prints per shape the default's time and the fastest plans of each
 selection; writes ``sweep_beam.json`` / ``.md`` (column ``select`` names the selection). Usage (GPU):
 ``python -m benchmarks.sweep_beam [--out DIR] [--select NAME ...]`` (the four selections double the compiles of the
-two the previous sweep had: ``--select`` splits a run).
+two the previous sweep had: ``--select`` splits a run). Besides the rule's plans, each threshold plan is also timed
+with 16384-column chunks on 32 warps (``_wide_chunk_plan``), which the rule does not make.
 """
 from __future__ import annotations
 
@@ -21,8 +22,10 @@ from longspec_ops.kernels import beam as K
 from longspec_ops.reference import beam as ref
 
 # (parents, vocabulary, width): the 4-16-16-16-16 tree's levels over the shipped pair's 2048-token drafting
-# vocabulary, a 32k drafting vocabulary and Llama-3's full 128,256.
-SHAPES = [(P, V, w) for V in (2048, 32768, 128256) for P, w in ((1, 4), (4, 16), (16, 16))]
+# vocabulary, a 32k drafting vocabulary and Llama-3's full 128,256, and the 4-12-12-12-12 tree's levels over the full
+# vocabulary (where the step's profile put the chunk kernel at 20.3 us for 12 parents: results/h200/NOTES.md).
+SHAPES = ([(P, V, w) for V in (2048, 32768, 128256) for P, w in ((1, 4), (4, 16), (16, 16))]
+          + [(4, 128256, 12), (12, 128256, 12)])
 TARGETS = (512, 1024, 2048, 4096)
 CHUNK_PER_THREAD = (4, 8, 16, 32)
 SELECT_PER_THREAD = (2, 4, 8, 32)
@@ -37,6 +40,23 @@ SELECTS = {
 
 def _name(bp: K.BeamPlan) -> str:
     return next(n for n, s in SELECTS.items() if s == (bp.chunk_select, bp.row_select))
+
+
+def _wide_chunk_plan(P: int, V: int, width: int, like: K.BeamPlan) -> "K.BeamPlan | None":
+    """``like``'s selections with the chunk kernel on 16384 columns of 32 warps (16 keys a thread, as 8192 on 16):
+    a plan the rule does not make (it caps threshold chunks at 8192 columns and warps at 16), so that a
+    full-vocabulary level of 12-16 parents is 96-128 programs, not 192-256. Not timed yet. ptxas (CUDA 13.0, sm_90a,
+    Triton 3.6's code, compiled on a CPU) gives the 8192-column, 16-warp chunk program 112 registers a thread, no
+    spills (one program an SM: the 192 programs of 12 x 128256 are 1.5 waves); on 32 warps a thread may hold only 64,
+    and this one spills 280 bytes. None where it does not apply."""
+    if like.chunk_select != K.SELECT_THRESHOLD or V <= K._MAX_CHUNK_THRESHOLD:
+        return None
+    chunk = 2 * K._MAX_CHUNK_THRESHOLD
+    C = -(-V // chunk)
+    nc = P * C * like.k1
+    block = 1 << (nc - 1).bit_length() if nc <= K._MAX_CANDIDATES_IN_REGISTERS else K._SELECT_BLOCK
+    return K.BeamPlan(chunk, C, like.k1, 32, K._warps(block, K._SELECT_PER_THREAD), like.chunk_select,
+                      like.row_select)
 
 
 def main() -> None:
@@ -60,6 +80,7 @@ def main() -> None:
                              for s in a.select
                              for t, cpt, spt in (itertools.product(TARGETS, CHUNK_PER_THREAD, SELECT_PER_THREAD)
                                                  if not a.quick else [(None, None, None)])]
+        plans += [wide for wide in (_wide_chunk_plan(P, V, w, bp) for bp in list(plans)) if wide is not None]
         for bp in plans:
             if bp in seen:
                 continue
