@@ -5,8 +5,7 @@
 # benchmark; MODELS / CONTEXTS / TREES pick the benchmark rows; PROFILE=0 skips the profile; PROBE=1 runs
 # benchmarks/probe_skinny_gemm.py (with PROBE_ARGS) while the extension builds (it needs only Triton); SWEEP_BEAM=1
 # runs benchmarks/sweep_beam.py (with SWEEP_ARGS) after the tests; FP8=1 adds the float8-weight draft rows (--fp8); BENCH=0 skips the
-# step benchmark; BENCH_ARGS adds arguments to it (e.g. --inductor combo_kernels=True --tree-tau FILE); AB_ENV runs the
-# same rows first under extra environment settings into $OUT/ab (e.g. AB_ENV=LONGSPEC_PDL=0: plain launches).
+# step benchmark; BENCH_ARGS adds arguments to it (e.g. --inductor combo_kernels=True --tree-tau FILE).
 # Usage: LONGSPEC_GIT_SHA=$(git rev-parse --short HEAD) bash benchmarks/run_draft_step.sh
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
@@ -44,16 +43,6 @@ decode_tests() {
 [ "${TESTS:-1}" = 1 ] && [ "${TESTS_LAST:-0}" != 1 ] && decode_tests
 profile=$([ "${PROFILE:-1}" = 1 ] && echo --profile)
 fp8=$([ "${FP8:-0}" = 1 ] && echo --fp8)
-if [ -n "${AB_ENV:-}" ]; then
-  # the same benchmark rows (no profile) under extra environment settings first, e.g. AB_ENV=LONGSPEC_PDL=0
-  mkdir -p "$OUT/ab"
-  # shellcheck disable=SC2086
-  env $AB_ENV LONGSPEC_BENCH_OUT="$OUT/ab" timeout "${BENCH_TIMEOUT:-420}" python3 -m benchmarks.bench_step_latency \
-    --models ${MODELS:-Llama-3-8B pair} --contexts ${CONTEXTS:-32768} --trees ${TREES:-4-16-16-16-16} --compile on \
-    $fp8 ${BENCH_ARGS:-} --out "$OUT/ab" > "$OUT/ab/bench.log" 2>&1
-  elapsed "bench ($AB_ENV) rc $?"
-  grep -v "^{" "$OUT/ab/bench.log" | tail -12
-fi
 if [ "${BENCH:-1}" = 1 ]; then
   # shellcheck disable=SC2086
   timeout "${BENCH_TIMEOUT:-420}" python3 -m benchmarks.bench_step_latency --models ${MODELS:-Llama-3-8B pair} \

@@ -42,7 +42,7 @@ def _name(bp: K.BeamPlan) -> str:
     return next(n for n, s in SELECTS.items() if s == (bp.chunk_select, bp.row_select))
 
 
-def _wide_chunk_plan(P: int, V: int, width: int, like: K.BeamPlan) -> "K.BeamPlan | None":
+def _wide_chunk_plan(P: int, V: int, like: K.BeamPlan) -> "K.BeamPlan | None":
     """``like``'s selections with the chunk kernel on 16384 columns of 32 warps (16 keys a thread, as 8192 on 16):
     a plan the rule does not make (it caps threshold chunks at 8192 columns and warps at 16), so that a
     full-vocabulary level of 12-16 parents is 96-128 programs, not 192-256. Not timed yet. ptxas (CUDA 13.0, sm_90a,
@@ -80,7 +80,7 @@ def main() -> None:
                              for s in a.select
                              for t, cpt, spt in (itertools.product(TARGETS, CHUNK_PER_THREAD, SELECT_PER_THREAD)
                                                  if not a.quick else [(None, None, None)])]
-        plans += [wide for wide in (_wide_chunk_plan(P, V, w, bp) for bp in list(plans)) if wide is not None]
+        plans += [wide for wide in (_wide_chunk_plan(P, V, bp) for bp in list(plans)) if wide is not None]
         for bp in plans:
             if bp in seen:
                 continue

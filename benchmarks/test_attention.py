@@ -3,9 +3,9 @@
 The tree input is the paper's 4-16-16-16-16 beam tree (69 nodes) after 5 re-fed tokens: M = 74 queries over N
 committed cache rows; longspec's own rows also run the 53-node 4-12-12-12-12 tree (M = 58, the cheapest tree keeping
 >= 95% of the 69-node tree's tau on the shipped pair: ``benchmarks/results/h100/tree_tau.md``). Every method
-computes the same function (checked against longspec's output before timing) and is timed as a CUDA-graph replay and as an eager call, each with a cold L2, median of many runs
-(benchmarks/timing.py). The roofline is max(bytes / copy bandwidth, FLOPs / bf16 matmul rate) with both peaks
-measured in the same run. Run on a GPU:
+computes the same function (checked against longspec's output before timing) and is timed as a CUDA-graph replay
+and as an eager call, each with a cold L2, median of many runs (benchmarks/timing.py). The roofline is
+max(bytes / copy bandwidth, FLOPs / bf16 matmul rate) with both peaks measured in the same run. Run on a GPU:
 
     LONGSPEC_BENCH_OUT=benchmarks/results/h200 pytest benchmarks/test_attention.py --benchmark-enable -q
 """
