@@ -7,7 +7,8 @@ Every plan must pick the reference's pairs. Prints per shape the default's time 
 selection; writes ``sweep_beam.json`` / ``.md`` (column ``select`` names the selection). Usage (GPU):
 ``python -m benchmarks.sweep_beam [--out DIR] [--select NAME ...]`` (the four selections double the compiles of the
 two the previous sweep had: ``--select`` splits a run). Besides the rule's plans, each threshold plan is also timed
-with 16384-column chunks on 32 warps (``_wide_chunk_plan``), which the rule does not make.
+with 16384-column chunks on 32 and on 16 warps (``_wide_chunk_plans``), and full-vocabulary levels with up to 8192
+candidates in the select program's registers (``_small_chunk_plans``): plans the rule does not make.
 """
 from __future__ import annotations
 
@@ -42,21 +43,31 @@ def _name(bp: K.BeamPlan) -> str:
     return next(n for n, s in SELECTS.items() if s == (bp.chunk_select, bp.row_select))
 
 
-def _wide_chunk_plan(P: int, V: int, like: K.BeamPlan) -> "K.BeamPlan | None":
-    """``like``'s selections with the chunk kernel on 16384 columns of 32 warps (16 keys a thread, as 8192 on 16):
-    a plan the rule does not make (it caps threshold chunks at 8192 columns and warps at 16), so that a
-    full-vocabulary level of 12-16 parents is 96-128 programs, not 192-256. Not timed yet. ptxas (CUDA 13.0, sm_90a,
+def _wide_chunk_plans(P: int, V: int, like: K.BeamPlan) -> list[K.BeamPlan]:
+    """``like``'s selections with the chunk kernel on 16384 columns, of 32 warps (16 keys a thread, as 8192 on 16)
+    and of 16 (32 keys a thread): plans the rule does not make (it caps threshold chunks at 8192 columns), so that a
+    full-vocabulary level of 12-16 parents is 96-128 programs, one wave, not 192-256. ptxas (CUDA 13.0, sm_90a,
     Triton 3.6's code, compiled on a CPU) gives the 8192-column, 16-warp chunk program 112 registers a thread, no
-    spills (one program an SM: the 192 programs of 12 x 128256 are 1.5 waves); on 32 warps a thread may hold only 64,
-    and this one spills 280 bytes. None where it does not apply."""
+    spills (one program an SM: the 192 programs of 12 x 128256 are 1.5 waves); 16384 columns spill 280 bytes a
+    thread on 32 warps (64 registers at most) and 32 on 16. Empty where they do not apply."""
     if like.chunk_select != K.SELECT_THRESHOLD or V <= K._MAX_CHUNK_THRESHOLD:
-        return None
+        return []
     chunk = 2 * K._MAX_CHUNK_THRESHOLD
     C = -(-V // chunk)
     nc = P * C * like.k1
-    block = 1 << (nc - 1).bit_length() if nc <= K._MAX_CANDIDATES_IN_REGISTERS else K._SELECT_BLOCK
-    return K.BeamPlan(chunk, C, like.k1, 32, K._warps(block, K._SELECT_PER_THREAD), like.chunk_select,
-                      like.row_select)
+    block = 1 << (nc - 1).bit_length() if nc <= K._MAX_CANDIDATES_IN_REGISTERS else 0
+    return [K.BeamPlan(chunk, C, like.k1, warps, K._warps(block or K._SELECT_BLOCK, K._SELECT_PER_THREAD),
+                       like.chunk_select, like.row_select, block) for warps in (32, 16)]
+
+
+def _small_chunk_plans(P: int, V: int, w: int, select: tuple[int, int]) -> list[K.BeamPlan]:
+    """Plans with up to 8192 candidates in the select program's registers (16 warps; triton 3.6's sm_90 code: 97
+    registers a thread, no spills), so that 4096-column chunks of 8 warps (119 registers: two programs an SM) can
+    cover a full-vocabulary level: 384 programs at 12 x 128256. The rule keeps 4096 (the looped select path past)."""
+    if V <= K._MAX_CHUNK_THRESHOLD:
+        return []
+    return [K.plan(P, V, w, target_candidates=t, chunk_select=select[0], row_select=select[1], max_in_registers=8192)
+            for t in (4096, 8192)]
 
 
 def main() -> None:
@@ -80,7 +91,8 @@ def main() -> None:
                              for s in a.select
                              for t, cpt, spt in (itertools.product(TARGETS, CHUNK_PER_THREAD, SELECT_PER_THREAD)
                                                  if not a.quick else [(None, None, None)])]
-        plans += [wide for wide in (_wide_chunk_plan(P, V, bp) for bp in list(plans)) if wide is not None]
+        plans += [wide for bp in list(plans) for wide in _wide_chunk_plans(P, V, bp)]
+        plans += [bp for s in a.select for bp in _small_chunk_plans(P, V, w, SELECTS[s])]
         for bp in plans:
             if bp in seen:
                 continue
@@ -94,7 +106,8 @@ def main() -> None:
         for bp, us in ranked:
             rows.append({"parents": P, "vocab": V, "width": w, "select": _name(bp), "chunk": bp.chunk,
                          "chunks": bp.chunks, "k1": bp.k1, "candidates": bp.candidates(P),
-                         "chunk_warps": bp.chunk_warps, "select_warps": bp.select_warps, "us": round(us, 2),
+                         "chunk_warps": bp.chunk_warps, "select_warps": bp.select_warps,
+                         "select_block": bp.select_block, "us": round(us, 2),
                          "default": bp == default})
         print(f"P={P} V={V} width={w}: default {seen[default]:.2f} us ({default}); best:", flush=True)
         for name in a.select:

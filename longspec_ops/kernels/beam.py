@@ -344,6 +344,8 @@ class BeamPlan:
         chunk_select, row_select: how the chunk kernel and the select kernel pick their top keys, ``SELECT_ROUNDS``
             or ``SELECT_THRESHOLD`` (module docstring). The select kernel takes the rounds wherever its candidates
             do not fit its registers.
+        select_block: keys the select program holds in registers (a power of two, at least the candidates), or 0:
+            the candidates loop through a scratch buffer, ``_SELECT_BLOCK`` at a time (the rounds).
     """
 
     chunk: int
@@ -353,6 +355,7 @@ class BeamPlan:
     select_warps: int
     chunk_select: int = SELECT_ROUNDS
     row_select: int = SELECT_ROUNDS
+    select_block: int = 0
 
     def candidates(self, parents: int) -> int:
         """Candidates per batch row: what the select kernel reduces."""
@@ -366,13 +369,16 @@ def _warps(elements: int, per_thread: int) -> int:
 
 def plan(P: int, V: int, width: int, target_candidates: Optional[int] = None,
          chunk_per_thread: Optional[int] = None, select_per_thread: Optional[int] = None,
-         chunk_select: Optional[int] = None, row_select: Optional[int] = None) -> BeamPlan:
+         chunk_select: Optional[int] = None, row_select: Optional[int] = None,
+         max_in_registers: Optional[int] = None) -> BeamPlan:
     """The default :class:`BeamPlan` of a ``[B, P, V]`` level keeping ``width``: chunks sized so the ``P * C * K1``
     candidates of a batch row come near ``target_candidates`` (and fit the select kernel's registers where they
     can); warps so each thread holds about ``*_per_thread`` values; each kernel's selection by ``_THRESHOLD_FROM_K``
-    (both take the rounds past ``_THRESHOLD_MAX_K`` kept). The keyword arguments are sweep knobs
-    (``benchmarks/sweep_beam.py``); None takes the defaults."""
+    (both take the rounds past ``_THRESHOLD_MAX_K`` kept); the select kernel's candidates in its registers up to
+    ``max_in_registers``. The keyword arguments are sweep knobs (``benchmarks/sweep_beam.py``); None takes the
+    defaults."""
     target_candidates = target_candidates or _TARGET_CANDIDATES
+    cap = max_in_registers or _MAX_CANDIDATES_IN_REGISTERS
     by_k = [SELECT_THRESHOLD if k >= k0 else SELECT_ROUNDS for k, k0 in zip((min(width, V), width), _THRESHOLD_FROM_K)]
     selects = (by_k[0] if chunk_select is None else chunk_select, by_k[1] if row_select is None else row_select)
     if any(sel not in (SELECT_ROUNDS, SELECT_THRESHOLD) for sel in selects):
@@ -386,14 +392,14 @@ def plan(P: int, V: int, width: int, target_candidates: Optional[int] = None,
     if SELECT_THRESHOLD in selects:
         k1 = triton.next_power_of_2(k1)  # <= chunk; lists of K1 divide the select kernel's groups
     if (selects[0] == SELECT_THRESHOLD and chunk > _MAX_CHUNK_THRESHOLD
-            and P * triton.cdiv(V, _MAX_CHUNK_THRESHOLD) * k1 <= _MAX_CANDIDATES_IN_REGISTERS):
+            and P * triton.cdiv(V, _MAX_CHUNK_THRESHOLD) * k1 <= cap):
         chunk = _MAX_CHUNK_THRESHOLD  # unless the select kernel would lose its registers (16 x 151936: 4864)
     C = triton.cdiv(V, chunk)
     nc = P * C * k1
-    block = triton.next_power_of_2(nc) if nc <= _MAX_CANDIDATES_IN_REGISTERS else _SELECT_BLOCK
+    block = triton.next_power_of_2(nc) if nc <= cap else 0
     return BeamPlan(chunk=chunk, chunks=C, k1=k1, chunk_warps=_warps(chunk, chunk_per_thread or _CHUNK_PER_THREAD),
-                    select_warps=_warps(block, select_per_thread or _SELECT_PER_THREAD), chunk_select=selects[0],
-                    row_select=selects[1])
+                    select_warps=_warps(block or _SELECT_BLOCK, select_per_thread or _SELECT_PER_THREAD),
+                    chunk_select=selects[0], row_select=selects[1], select_block=block)
 
 
 def beam_topk(logits: Tensor, cum_logp: Tensor, width: int,
@@ -415,7 +421,9 @@ def beam_topk(logits: Tensor, cum_logp: Tensor, width: int,
     bp = beam_plan or plan(P, V, width)
     chunk, C, k1 = bp.chunk, bp.chunks, bp.k1
     NC = bp.candidates(P)
-    in_registers = NC <= _MAX_CANDIDATES_IN_REGISTERS
+    in_registers = bp.select_block > 0
+    if in_registers and (bp.select_block < NC or bp.select_block & (bp.select_block - 1)):
+        raise ValueError(f"{bp}: select_block must be a power of two >= the {NC} candidates (or 0)")
     chunk_select = bp.chunk_select
     row_select = bp.row_select if in_registers else SELECT_ROUNDS
     if SELECT_THRESHOLD in (chunk_select, row_select) and (
@@ -434,7 +442,7 @@ def beam_topk(logits: Tensor, cum_logp: Tensor, width: int,
     _beam_chunk_kernel[(B * P, C)](logits, logits.stride(0), logits.stride(1), stats, cand, chunk_scratch, P, V, C,
                                    K1=k1, CHUNK=chunk, SELECT=chunk_select, G=g1, S=s1, num_warps=bp.chunk_warps)
     c_pad = triton.next_power_of_2(C)
-    block = triton.next_power_of_2(NC) if in_registers else _SELECT_BLOCK
+    block = bp.select_block if in_registers else _SELECT_BLOCK
     _beam_select_kernel[(B,)](stats, cand, cum, cum.stride(0), lse, keys, row_scratch, parent, column, score,
                               P, V, C, NC, WIDTH=width, K1=k1,
                               BLOCK_P=max(1, min(triton.next_power_of_2(P), 4096 // c_pad)), C_PAD=c_pad, BLOCK=block,

@@ -5,6 +5,8 @@ Logits are random (no two pairs tie except where a case makes them tie on purpos
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -202,3 +204,19 @@ def test_plan_selects():
         p = K.plan(16, V, 16, chunk_select=K.SELECT_THRESHOLD, row_select=K.SELECT_THRESHOLD)
         assert p.candidates(16) <= K._MAX_CANDIDATES_IN_REGISTERS and p.chunk * p.chunks >= V and p.k1 == 16
         assert p.chunk <= K._MAX_CHUNK_THRESHOLD or V == 151936
+
+
+def test_plan_select_block():
+    """The select program holds the candidates in registers up to ``max_in_registers`` (its block: the next power of
+    two), else loops through a scratch buffer (block 0); a plan whose block cannot hold its candidates is refused."""
+    assert K.plan(16, 128256, 16).select_block == 4096
+    small = K.plan(12, 128256, 12, target_candidates=8192, max_in_registers=8192)
+    assert (small.chunk, small.candidates(12), small.select_block) == (4096, 6144, 8192)
+    assert K.plan(12, 128256, 12, target_candidates=8192).select_block == 0  # past the default 4096: looped
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(1, 4, 600, generator=g).to(DEVICE)
+    cum = torch.randn(1, 4, generator=g).to(DEVICE)
+    _check_plan(logits, cum, 20, max_in_registers=64)  # 4 x 2 x 32 candidates: the looped path
+    bp = K.plan(4, 600, 20)
+    with pytest.raises(ValueError, match="select_block"):
+        K.beam_topk(logits, cum, 20, dataclasses.replace(bp, select_block=bp.select_block // 2))
