@@ -77,10 +77,13 @@ def main() -> None:
                     help="selections to time (default: all four)")
     ap.add_argument("--quick", action="store_true",
                     help="each selection at the default knobs only (one plan per selection and shape)")
+    ap.add_argument("--vocabs", type=int, nargs="+", default=None, help="only the shapes of these vocabularies")
     a = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for P, V, w in SHAPES:
+        if a.vocabs and V not in a.vocabs:
+            continue
         logits = (torch.randn(1, P, V, device="cuda", generator=g) * 3).to(torch.bfloat16)
         cum = torch.randn(1, P, device="cuda", generator=g)
         want = ref.beam_topk(logits.cpu(), cum.cpu(), w)
