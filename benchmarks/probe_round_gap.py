@@ -40,9 +40,13 @@ def _counters() -> dict:
 def _clocks() -> str:
     if shutil.which("nvidia-smi") is None:
         return "nvidia-smi not found"
-    q = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
-    return subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"], capture_output=True,
-                          text=True).stdout.strip()
+    for why in ("clocks_event_reasons.active", "clocks_throttle_reasons.active"):  # newer, older drivers' name
+        q = f"clocks.sm,clocks.mem,power.draw,temperature.gpu,{why}"
+        got = subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"], capture_output=True,
+                             text=True)
+        if got.returncode == 0:
+            return got.stdout.strip()
+    return "nvidia-smi: " + got.stderr.strip()[:100]
 
 
 def timed(dec, context: int, iters: int, say) -> None:
@@ -89,11 +93,19 @@ def traced(dec, context: int, rounds: int, gap_us: float, out_dir: str, say) -> 
     with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as g:
         shutil.copyfileobj(f, g)
     os.remove(path)
+    say(f"  traced {rounds} rounds: {wall:.0f} us a round on the host clock (profiled)")
+    summarise(trace, rounds, gap_us, say)
+
+
+def summarise(trace: dict, rounds: int, gap_us: float, say) -> None:
+    """A chrome trace of ``rounds`` rounds: the device's span and busy time a round, its idle gaps over ``gap_us``
+    (each with the host calls that ran through most of it and the Python frames open when it began), and the
+    kernels' device time by name."""
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     device = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
                     key=lambda e: e["ts"])
     host = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver", "cpu_op", "python_function")]
-    say(f"  traced {rounds} rounds: {wall:.0f} us a round on the host clock (profiled); {len(device)} device events")
+    say(f"  {len(device)} device events, {len(host)} host events")
     if not device:
         return
     span = device[-1]["ts"] + device[-1]["dur"] - device[0]["ts"]

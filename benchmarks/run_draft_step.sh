@@ -4,8 +4,10 @@
 # Knobs: TESTS=0 skips the tests, TESTS=ops runs only the op tests, TESTS_LAST=1 runs the decode tests after the
 # benchmark; MODELS / CONTEXTS / TREES pick the benchmark rows; PROFILE=0 skips the profile; PROBE=1 runs
 # benchmarks/probe_skinny_gemm.py (with PROBE_ARGS) while the extension builds (it needs only Triton); SWEEP_BEAM=1
-# runs benchmarks/sweep_beam.py (with SWEEP_ARGS) after the tests; FP8=1 adds the float8-weight draft rows (--fp8); BENCH=0 skips the
-# step benchmark; BENCH_ARGS adds arguments to it (e.g. --inductor combo_kernels=True --tree-tau FILE).
+# runs benchmarks/sweep_beam.py (with SWEEP_ARGS) after the tests; GAP=1 runs benchmarks/probe_round_gap.py (with
+# GAP_ARGS; the GPU's clocks and power sampled beside it into $OUT/smi.csv) after the sweep; FP8=1 adds the
+# float8-weight draft rows (--fp8); BENCH=0 skips the step benchmark; BENCH_ARGS adds arguments to it (e.g.
+# --inductor combo_kernels=True --tree-tau FILE).
 # Usage: LONGSPEC_GIT_SHA=$(git rev-parse --short HEAD) bash benchmarks/run_draft_step.sh
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
@@ -33,6 +35,17 @@ fi
 if [ "${SWEEP_BEAM:-0}" = 1 ]; then
   timeout "${SWEEP_TIMEOUT:-200}" python3 -m benchmarks.sweep_beam ${SWEEP_ARGS:-} --out "$OUT" > "$OUT/sweep_beam.log" 2>&1
   elapsed "sweep_beam rc $?"; grep -v "^ " "$OUT/sweep_beam.log" | tail -12
+fi
+if [ "${GAP:-0}" = 1 ]; then
+  why=clocks_event_reasons.active  # the older drivers' name: clocks_throttle_reasons.active
+  nvidia-smi --query-gpu=$why --format=csv > /dev/null 2>&1 || why=clocks_throttle_reasons.active
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,$why --format=csv -lms 250 \
+    > "$OUT/smi.csv" 2>&1 &
+  smi=$!
+  # shellcheck disable=SC2086
+  timeout "${GAP_TIMEOUT:-330}" python3 -m benchmarks.probe_round_gap ${GAP_ARGS:-} --out "$OUT" > "$OUT/gap.log" 2>&1
+  rc=$?; kill $smi
+  elapsed "round gap probe rc $rc"; tail -60 "$OUT/gap.log" | cut -c1-200
 fi
 decode_tests() {
   timeout "${DECODE_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider tests/decode/test_gpu_decoder.py \
