@@ -43,6 +43,12 @@ Each kernel picks its top ``K`` keys one of two ways (:attr:`BeamPlan.chunk_sele
   width 4 the rounds are few: one-warp chunk programs (no barriers either way) have 50 shuffles against 75-190, and
   the 4-warp select program of the 1 x 128256 level 18 barriers against 14-22. Which selection is faster where is
   for a GPU sweep to say (``_THRESHOLD_FROM_K`` sets the default).
+
+  The chunk kernel's threshold path pairs its block-wide reductions: the chunk's max comes out of the threshold's
+  reduction (a min of the kept group maxima beside a min of their complements), and the sum of exponentials out of
+  the survivors' count (a float32 sum of both), with x recomputed from its key rather than held live. Its sm_90
+  code (triton 3.6, all paths) went from 33 to 27 ``bar.sync`` and from 114 to 106 registers a thread at 8192
+  columns on 16 warps (119 -> 120 at 4096 on 8; 16384 on 16 spills 80 bytes, was 48). Not yet timed on a GPU.
 """
 from __future__ import annotations
 
@@ -117,6 +123,14 @@ def _key_value(key):
 
 
 @triton.jit
+def _above(gmax, AXIS: tl.constexpr):
+    """Per group, the number of groups with a larger maximum (``AXIS``: see :func:`_group_threshold`)."""
+    if AXIS == 1:
+        return tl.sum((gmax[None, :] > gmax[:, None]).to(tl.int32), 1)
+    return tl.sum((gmax[:, None] > gmax[None, :]).to(tl.int32), 0)
+
+
+@triton.jit
 def _group_threshold(gmax, K: tl.constexpr, AXIS: tl.constexpr):
     """``(T, above)``: ``T`` the ``K``-th largest of the group maxima ``gmax``, ``above`` per group the number of
     groups with a larger maximum. ``K`` distinct groups hold a key >= ``T``, so the top ``K`` keys are all >= ``T``.
@@ -125,10 +139,7 @@ def _group_threshold(gmax, K: tl.constexpr, AXIS: tl.constexpr):
     reduced along that axis, and which one stays inside a warp depends on the layout the kernel's reshape gave
     ``gmax`` (by the barriers and shuffles in triton 3.6's sm_90 code: 1 in the chunk kernel, 0 in the select
     kernel; the other way round gave 16 / 20 barriers instead of 13 / 12 at 16 x 32768)."""
-    if AXIS == 1:
-        above = tl.sum((gmax[None, :] > gmax[:, None]).to(tl.int32), 1)
-    else:
-        above = tl.sum((gmax[:, None] > gmax[None, :]).to(tl.int32), 0)
+    above = _above(gmax, AXIS)
     return tl.min(tl.where(above < K, gmax, _KEY_MAX), 0), above
 
 
@@ -178,21 +189,22 @@ def _beam_chunk_kernel(
     x = tl.load(LOGITS + b.to(tl.int64) * stride_lb + p.to(tl.int64) * stride_lp + cols, mask=ok,
                 other=float("-inf")).to(tl.float32)
     key = tl.where(ok, _order_key(x, cols.to(tl.int64)), _KEY_MIN)
-    if SELECT == 1:
-        # Group g holds columns g, g + G, ...: the chunk's max is the largest group max (no pass over all keys).
-        gmax = tl.max(tl.reshape(key, [CHUNK // G, G]), 0)
-        m = _key_value(tl.max(gmax, 0))
-    else:
-        m = tl.max(x, 0)
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    s = tl.sum(tl.where(ok, tl.exp(x - m_use), 0.0), 0)
     st = STATS + (row.to(tl.int64) * C + chunk) * 2
-    tl.store(st, m)
-    tl.store(st + 1, s)
     out = CAND + (row.to(tl.int64) * C + chunk) * K1
     if SELECT == 1:
-        t, above = _group_threshold(gmax, K1, 1)
-        n = tl.sum((key >= tl.maximum(t, _KEY_FLOOR)).to(tl.int32), 0)
+        # Group g holds columns g, g + G, ...: the chunk's max is the largest group max (no pass over all keys),
+        # found in one reduction with the threshold; the sum of exponentials and the survivors' count in another.
+        gmax = tl.max(tl.reshape(key, [CHUNK // G, G]), 0)
+        above = _above(gmax, 1)
+        t, top = tl.split(tl.min(tl.join(tl.where(above < K1, gmax, _KEY_MAX), ~gmax), 0))  # ~: order reversed
+        m = _key_value(~top)
+        m_use = tl.where(m == float("-inf"), 0.0, m)
+        # x again from its key (a few integer ops) rather than held live across the threshold's reductions
+        e = tl.where(ok, tl.exp(_key_value(key) - m_use), 0.0)
+        s, n = tl.split(tl.sum(tl.join(e, (key >= tl.maximum(t, _KEY_FLOOR)).to(tl.float32)), 0))  # n < 2^24: exact
+        n = n.to(tl.int32)
+        tl.store(st, m)
+        tl.store(st + 1, s)
         if (n == K1) & (t != _KEY_MIN):  # one survivor a group: the K1 best group maxima, ranked already
             tl.store(out + above, gmax, mask=above < K1)
         elif n <= S:
@@ -206,6 +218,10 @@ def _beam_chunk_kernel(
         else:
             _chunk_rounds(key, out, K1)
     else:
+        m = tl.max(x, 0)
+        m_use = tl.where(m == float("-inf"), 0.0, m)
+        tl.store(st, m)
+        tl.store(st + 1, tl.sum(tl.where(ok, tl.exp(x - m_use), 0.0), 0))
         _chunk_rounds(key, out, K1)
 
 
