@@ -127,7 +127,8 @@ def _tree_row(name, context, compile, mode, tree, d, spec, draft, target, reduce
            "decode_forward_us": d["phases_us"]["verify"], "decode_wall_us": d["round_wall_us"],
            "verify_us": s["phases_us"]["verify"], "draft_us": s["phases_us"]["draft"],
            "accept_us": s["phases_us"]["accept"], "round_wall_us": s["round_wall_us"],
-           "first_round_decode_s": d["first_round_s"], "first_round_spec_s": s["first_round_s"]}
+           "first_round_decode_s": d["first_round_s"], "first_round_spec_s": s["first_round_s"],
+           "decode_phase_drift": _drift(d), "phase_drift": _drift(s)}
     profiling = profile is not None and compile and mode == "fast"
     if reduced is None and profiling:
         profile(name, context, profile_draft(spec, context))
@@ -148,6 +149,7 @@ def _tree_row(name, context, compile, mode, tree, d, spec, draft, target, reduce
             row["draft_vocab"] = vocab_ids.numel()
         row[f"draft_{key}_us"] = r["phases_us"]["draft"]
         row[f"round_{key}_wall_us"] = r["round_wall_us"]
+        row[f"phase_drift_{key}"] = _drift(r)
         rows_read = vocab if vocab_ids is None else vocab_ids.numel()
         row[f"draft_{key}_floor_us"] = draft_floor_us(draft, target, context, len(tree), rows_read, bw,
                                                       fp8=weight_dtype is not None)
@@ -168,6 +170,12 @@ def _tree_row(name, context, compile, mode, tree, d, spec, draft, target, reduce
         row["attn_verify_us"] = attention_floor_us(s["run"], context, T, iters)
         row["attn_verify_layer_us"] = row["attn_verify_us"] / target.config.get_text_config().num_hidden_layers
     return row
+
+
+def _drift(times: dict) -> float:
+    """The phases timed after the wall loop over those timed before it, less 1 (:func:`round_times`): near 0 when
+    the device kept its pace; the wall round's excess over the phases, when this is near 0, is idle time."""
+    return sum(times["phases_after_us"].values()) / sum(times["phases_us"].values()) - 1
 
 
 def _versus_fast(row: dict, rows: list[dict]) -> None:

@@ -59,8 +59,10 @@ def timed(dec, context: int, iters: int, say) -> None:
     after = _counters()
     phases = t["phases_us"]
     total_phases = sum(phases.values())
+    after_phases = sum(t["phases_after_us"].values())
     say(f"  phases {', '.join(f'{k} {v:.0f}' for k, v in phases.items())} = {total_phases:.0f} us; wall "
-        f"{t['round_wall_us']:.0f} us; gap {t['round_wall_us'] - total_phases:.0f} us; clocks after: {_clocks()}")
+        f"{t['round_wall_us']:.0f} us; gap {t['round_wall_us'] - total_phases:.0f} us; phases after the wall loop "
+        f"{after_phases:.0f} us; clocks after: {_clocks()}")
     say("  allocator over the call: " + ", ".join(f"{k} +{after[k] - before[k]}" for k in _COUNTERS))
     del t
 

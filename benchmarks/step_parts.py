@@ -63,10 +63,12 @@ def round_times(dec, context: int, iters: int, option=None) -> dict:
     ``option``: the adaptive budget's option to force every round (its host work timed with it).
 
     The first round captures the graphs (and compiles, with ``compile=True``): its wall time is reported as the
-    first-use cost. Returns the run too (its cache serves the attention floor)."""
+    first-use cost. The phases are timed again after the wall loop (``phases_after_us``): a wall round longer than
+    the phases before it, with the phases after it longer too, is the device slowing down (clocks), not idle time.
+    Returns the run too (its cache serves the attention floor)."""
     from longspec.decode.stats import PhaseTimer
 
-    run = dec.synthetic_run(context, rounds=3 * iters + 4)
+    run = dec.synthetic_run(context, rounds=4 * iters + 4)
 
     def wait(read):  # generate's wait for a round's read (and, under a budget, its choice)
         read()
@@ -94,7 +96,11 @@ def round_times(dec, context: int, iters: int, option=None) -> dict:
             pending = after
         wait(pending)
         wall = (time.perf_counter() - t0) * 1e6 / iters
-    return {"phases_us": phases, "round_wall_us": wall, "first_round_s": first, "run": run}
+        timer = PhaseTimer(run.state.root.device, enabled=True)
+        for _ in range(iters):
+            dec.step(run, timer, option=option)
+        later = {k: v * 1e6 / iters for k, v in timer.seconds().items()}
+    return {"phases_us": phases, "round_wall_us": wall, "phases_after_us": later, "first_round_s": first, "run": run}
 
 
 def profile_draft(dec, context: int, replays: int = 10, rows: int = 40) -> str:
