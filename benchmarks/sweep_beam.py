@@ -46,10 +46,10 @@ def _name(bp: K.BeamPlan) -> str:
 def _wide_chunk_plans(P: int, V: int, like: K.BeamPlan) -> list[K.BeamPlan]:
     """``like``'s selections with the chunk kernel on 16384 columns, of 32 warps (16 keys a thread, as 8192 on 16)
     and of 16 (32 keys a thread): plans the rule does not make (it caps threshold chunks at 8192 columns), so that a
-    full-vocabulary level of 12-16 parents is 96-128 programs, one wave, not 192-256. ptxas (CUDA 13.0, sm_90a,
-    Triton 3.6's code, compiled on a CPU) gives the 8192-column, 16-warp chunk program 112 registers a thread, no
-    spills (one program an SM: the 192 programs of 12 x 128256 are 1.5 waves); 16384 columns spill 280 bytes a
-    thread on 32 warps (64 registers at most) and 32 on 16. Empty where they do not apply."""
+    full-vocabulary level of 12-16 parents is 96-128 programs, one wave, not 192-256. Triton 3.6's sm_90a code
+    (its own ptxas, compiled on a CPU) gives the 8192-column, 16-warp chunk program 106 registers a thread, no
+    spills (one program an SM: the 192 programs of 12 x 128256 are 1.5 waves); 16384 columns spill 224 bytes a
+    thread on 32 warps (64 registers at most) and 80 on 16. Empty where they do not apply."""
     if like.chunk_select != K.SELECT_THRESHOLD or V <= K._MAX_CHUNK_THRESHOLD:
         return []
     chunk = 2 * K._MAX_CHUNK_THRESHOLD
@@ -62,7 +62,7 @@ def _wide_chunk_plans(P: int, V: int, like: K.BeamPlan) -> list[K.BeamPlan]:
 
 def _small_chunk_plans(P: int, V: int, w: int, select: tuple[int, int]) -> list[K.BeamPlan]:
     """Plans with up to 8192 candidates in the select program's registers (16 warps; triton 3.6's sm_90 code: 97
-    registers a thread, no spills), so that 4096-column chunks of 8 warps (119 registers: two programs an SM) can
+    registers a thread, no spills), so that 4096-column chunks of 8 warps (120 registers: two programs an SM) can
     cover a full-vocabulary level: 384 programs at 12 x 128256. The rule keeps 4096 (the looped select path past)."""
     if V <= K._MAX_CHUNK_THRESHOLD:
         return []
