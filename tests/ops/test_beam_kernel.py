@@ -206,9 +206,21 @@ def test_plan_selects():
         assert p.chunk <= K._MAX_CHUNK_THRESHOLD or V == 151936
 
 
-def test_plan_select_block():
+def test_plan_select_block(monkeypatch):
     """The select program holds the candidates in registers up to ``max_in_registers`` (its block: the next power of
-    two), else loops through a scratch buffer (block 0); a plan whose block cannot hold its candidates is refused."""
+    two), else loops through a scratch buffer (block 0); the launch takes the plan's block; a plan whose block cannot
+    hold its candidates is refused."""
+    launches = []
+    kernel = K._beam_select_kernel
+
+    class Recorded:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((kwargs["IN_REGISTERS"], kwargs["BLOCK"]))
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(K, "_beam_select_kernel", Recorded())
     assert K.plan(16, 128256, 16).select_block == 4096
     small = K.plan(12, 128256, 12, target_candidates=8192, max_in_registers=8192)
     assert (small.chunk, small.candidates(12), small.select_block) == (4096, 6144, 8192)
@@ -217,6 +229,8 @@ def test_plan_select_block():
     logits = torch.randn(1, 4, 600, generator=g).to(DEVICE)
     cum = torch.randn(1, 4, generator=g).to(DEVICE)
     _check_plan(logits, cum, 20, max_in_registers=64)  # 4 x 2 x 32 candidates: the looped path
+    _check_plan(logits, cum, 20)  # in registers
+    assert launches == [(False, K._SELECT_BLOCK), (True, K.plan(4, 600, 20).select_block)], launches
     bp = K.plan(4, 600, 20)
     with pytest.raises(ValueError, match="select_block"):
         K.beam_topk(logits, cum, 20, dataclasses.replace(bp, select_block=bp.select_block // 2))
