@@ -131,3 +131,53 @@ def test_fp8_copies_follow_the_weights():
 
     with pytest.raises(ValueError, match="LongSpecDrafter: weight_dtype must be None"):
         LongSpecDrafter(draft, weight_dtype=torch.int8)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_activations_reach_every_float8_linear(device, monkeypatch):
+    """``pack_for_drafting(float8, activation_dtype=float8)``: every drafting linear that reads a float8 weight
+    quantizes its input too (``x_fp8``), and each phase stays within the activations' quantization noise of the
+    weight-only float8 phase (e4m3 keeps 3 mantissa bits: a few percent of the phase's scale) without equalling it."""
+    import longspec.model.draft as draft_module
+
+    f8 = torch.float8_e4m3fn
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    draft = LongSpecDraft.from_target(tiny_target("llama", (4, 2), hidden=128, vocab=160).to(device, dtype))
+    randomize(draft)
+    draft = draft.to(device, dtype)
+    g = torch.Generator().manual_seed(5)
+    c = draft.config
+    x, self_out, cross, angle = (torch.randn(1, 16, *s, generator=g).to(device, dtype) for s in
+                                 ((c.hidden_size,), (c.num_attention_heads, c.head_dim),
+                                  (c.num_attention_heads, c.head_dim), (c.head_dim,)))
+    weight_only = _phases(draft.pack_for_drafting(f8), x, self_out, cross, angle.cos(), angle.sin(), drafting=True)
+    calls = []
+    real = draft_module._fused
+
+    def recording(x, weight, *args, **kwargs):
+        calls.append((weight[0].dtype, weight[2]))
+        return real(x, weight, *args, **kwargs)
+
+    monkeypatch.setattr(draft_module, "_fused", recording)
+    both = _phases(draft.pack_for_drafting(f8, activation_dtype=f8), x, self_out, cross, angle.cos(), angle.sin(),
+                   drafting=True)
+    assert calls and all(x8 == (dt == f8) for dt, x8 in calls) and sum(x8 for _, x8 in calls) >= 7, calls
+    for name, w in weight_only.items():
+        scale = w.float().abs().max().item()
+        err = (both[name].float() - w.float()).abs().max().item()
+        assert 0 < err <= 0.15 * scale, (name, err, scale)
+
+
+def test_fp8_activations_need_float8_weights_and_128_wide_inputs():
+    """Float8 activations without float8 weights, or with a linear whose input width is not a multiple of 128,
+    are refused with the reason."""
+    from longspec import LongSpecDrafter
+
+    f8 = torch.float8_e4m3fn
+    draft = LongSpecDraft.from_target(tiny_target("llama", (4, 2), hidden=64, vocab=160))
+    with pytest.raises(ValueError, match="activation_dtype=torch.float8_e4m3fn needs weight_dtype=torch.float8_e4m3fn"):
+        draft.pack_for_drafting(activation_dtype=f8)
+    with pytest.raises(ValueError, match="LongSpecDrafter: activation_dtype must be None"):
+        LongSpecDrafter(draft, weight_dtype=f8, activation_dtype=torch.int8)
+    with pytest.raises(ValueError, match="input width must be a multiple of 128, got \\{'qkv': 64"):
+        draft.pack_for_drafting(f8, activation_dtype=f8)
