@@ -68,12 +68,11 @@ from longspec.testing import PUBLISHED_CONFIGS
 def measure(name: str, contexts: list[int], compiles: list[bool], draft_vocab: int, iters: int, peaks: dict,
             on_row=lambda row: None, tp: bool = False, cuda_graphs: bool = True, device: str = "cuda",
             numerics: tuple[str, ...] = ("fast",), trees: Sequence[tuple[int, ...]] = (TREE,), profile=None,
-            fp8: bool = False, mlp_ratio: float = 1.0, cross_blocks: int = 0, fp8_activations: bool = False) -> list:
+            fp8: bool = False, mlp_ratio: float = 1.0, cross_blocks: int = 0) -> list:
     """One row per (compile, numerics, context) for the first tree, and per other tree at the longest context.
     ``profile``: a callable taking (model, context, kernel
     table) of the first tree's draft step with the reduced vocabulary (the full one without it), for every context
-    of the compiled fast rows. ``fp8``: also the draft with float8 weight copies (full and reduced vocabulary);
-    ``fp8_activations``: and again with its linears' inputs quantized too (float8 x float8 GEMMs).
+    of the compiled fast rows. ``fp8``: also the draft with float8 weight copies (full and reduced vocabulary).
     ``mlp_ratio``: a published shape's draft MLP at this many times the target's units; ``cross_blocks``: its
     extra cross-attention blocks."""
     from longspec import LongSpecDrafter, Numerics, SpeculativeDecoder
@@ -99,8 +98,7 @@ def measure(name: str, contexts: list[int], compiles: list[bool], draft_vocab: i
                 if tree != trees[0] and context != max(contexts):
                     continue  # other trees are priced at the longest context only
                 row = _tree_row(name, context, compile, mode, tree, d, spec, draft, target, reduced, iters, peaks,
-                                weights, cuda_graphs, tp, profile if tree == trees[0] else None, fp8,
-                                fp8_activations)
+                                weights, cuda_graphs, tp, profile if tree == trees[0] else None, fp8)
                 row["draft_intermediate"] = draft.config.intermediate_size
                 _ratios(row)
                 _versus_fast(row, rows)
@@ -115,7 +113,7 @@ def measure(name: str, contexts: list[int], compiles: list[bool], draft_vocab: i
 
 
 def _tree_row(name, context, compile, mode, tree, d, spec, draft, target, reduced, iters, peaks, weights,
-              cuda_graphs, tp, profile, fp8=False, fp8_activations=False) -> dict:
+              cuda_graphs, tp, profile, fp8=False) -> dict:
     """One row: the LongSpec round of ``tree`` (full and reduced drafting vocabulary, and with ``fp8`` both again
     drafting from float8 weight copies) beside the plain round ``d``, with the draft, decode and verify floors."""
     from longspec import LongSpecDrafter, Numerics, SpeculativeDecoder
@@ -135,20 +133,17 @@ def _tree_row(name, context, compile, mode, tree, d, spec, draft, target, reduce
     if reduced is None and profiling:
         profile(name, context, profile_draft(spec, context))
     bw = peaks["copy_bytes_per_s"]
-    f8 = torch.float8_e4m3fn
-    variants = [("reduced", reduced, None, None)] if reduced is not None else []
-    for on, key, act in ((fp8, "fp8", None), (fp8_activations, "fp8a", f8)):  # fp8a: float8 x float8 GEMMs
-        if on:
-            variants += [(key, None, f8, act)] + ([(f"{key}_reduced", reduced, f8, act)] if reduced is not None else [])
-    for key, vocab_ids, weight_dtype, act_dtype in variants:
+    variants = [("reduced", reduced, None)] if reduced is not None else []
+    if fp8:
+        variants += [("fp8", None, torch.float8_e4m3fn)] + (
+            [("fp8_reduced", reduced, torch.float8_e4m3fn)] if reduced is not None else [])
+    for key, vocab_ids, weight_dtype in variants:
         draft.set_draft_vocab(vocab_ids)
-        drafter = LongSpecDrafter(draft, weight_dtype=weight_dtype, activation_dtype=act_dtype)
-        spec_r = SpeculativeDecoder(target, drafter, tree_shape=tree,
+        spec_r = SpeculativeDecoder(target, LongSpecDrafter(draft, weight_dtype=weight_dtype), tree_shape=tree,
                                     cuda_graphs=cuda_graphs, compile=compile, numerics=Numerics[mode.upper()])
         r = round_times(spec_r, context, iters)
         if profiling:  # every drafting variant: the float8 full-vocabulary one has its own target (issue 32)
-            label = (f"{name}{' fp8' if weight_dtype else ''}{' activations' if act_dtype else ''}"
-                     f"{' full vocabulary' if vocab_ids is None else ''}")
+            label = f"{name}{' fp8' if weight_dtype else ''}{' full vocabulary' if vocab_ids is None else ''}"
             profile(label, context, profile_draft(spec_r, context))
         if vocab_ids is not None:
             row["draft_vocab"] = vocab_ids.numel()
@@ -201,7 +196,7 @@ def _main_rank() -> bool:
 
 def _ratios(row: dict) -> None:
     row["round_per_decode"] = row["round_wall_us"] / row["decode_wall_us"]
-    for key in ("reduced", "fp8", "fp8_reduced", "fp8a", "fp8a_reduced"):
+    for key in ("reduced", "fp8", "fp8_reduced"):
         if f"round_{key}_wall_us" in row:
             row[f"round_{key}_per_decode"] = row[f"round_{key}_wall_us"] / row["decode_wall_us"]
     if "linears_m1_us" not in row:  # --tp: no per-GPU floors
@@ -222,16 +217,11 @@ COLUMNS = [("model", "model", ""), ("gpus", "GPUs", ""), ("context", "N", ""), (
            ("draft_fp8_us", "draft fp8", ".0f"), ("draft_fp8_floor_us", "floor", ".0f"),
            ("draft_fp8_vs_floor", "x", ".2f"),
            ("draft_fp8_reduced_us", "draft fp8 (reduced)", ".0f"), ("draft_fp8_reduced_floor_us", "floor", ".0f"),
-           ("draft_fp8_reduced_vs_floor", "x", ".2f"),
-           ("draft_fp8a_us", "draft fp8 x fp8", ".0f"), ("draft_fp8a_vs_floor", "x", ".2f"),
-           ("draft_fp8a_reduced_us", "draft fp8 x fp8 (reduced)", ".0f"), ("draft_fp8a_reduced_vs_floor", "x", ".2f"),
-           ("accept_us", "accept", ".0f"),
+           ("draft_fp8_reduced_vs_floor", "x", ".2f"), ("accept_us", "accept", ".0f"),
            ("round_wall_us", "round", ".0f"), ("round_per_decode", "round/decode", ".2f"),
            ("round_reduced_per_decode", "reduced round/decode", ".2f"),
            ("round_fp8_per_decode", "fp8 round/decode", ".2f"),
            ("round_fp8_reduced_per_decode", "fp8 reduced round/decode", ".2f"),
-           ("round_fp8a_per_decode", "fp8 x fp8 round/decode", ".2f"),
-           ("round_fp8a_reduced_per_decode", "fp8 x fp8 reduced round/decode", ".2f"),
            ("first_round_spec_s", "first round s", ".1f"),
            ("round_wall_vs_fast", "round vs fast", ".2f"), ("decode_wall_vs_fast", "decode vs fast", ".2f")]
 NOTES = ["Random weights, bf16, batch 1, CUDA graphs; times in us. decode = a plain round (forward + tail); round = "
@@ -373,9 +363,6 @@ def main(argv=None) -> None:
     ap.add_argument("--fp8", action="store_true",
                     help="also time the draft with float8 weight copies (LongSpecDrafter(weight_dtype=float8_e4m3fn)), "
                          "full and reduced vocabulary")
-    ap.add_argument("--fp8-activations", action="store_true",
-                    help="also time the draft with float8 weights and float8 inputs to its linears (float8 x float8 "
-                         "GEMMs: LongSpecDrafter(activation_dtype=float8_e4m3fn)), full and reduced vocabulary")
     ap.add_argument("--profile", action="store_true",
                     help="also write draft_profile.txt: torch.profiler's kernel table of the compiled draft step")
     ap.add_argument("--merge", nargs="+", metavar="STEP_LATENCY_JSON",
@@ -466,7 +453,7 @@ def main(argv=None) -> None:
         measure(name, a.contexts, compiles, vocab_size, a.iters, peaks, on_row, tp=a.tp,
                 cuda_graphs=a.cuda_graphs == "on", device=device, numerics=numerics, trees=trees,
                 profile=on_profile if a.profile else None, fp8=a.fp8, mlp_ratio=a.draft_mlp_ratio,
-                cross_blocks=a.draft_cross_blocks, fp8_activations=a.fp8_activations)
+                cross_blocks=a.draft_cross_blocks)
         torch.cuda.empty_cache()
     if _main_rank():
         print((write(rows, meta, a.out, suite=suite, taus=taus) / f"{suite}.md").read_text(), flush=True)

@@ -8,9 +8,7 @@ cheapest shape that keeps >= 95% of the reference's tau. Greedy acceptance depen
 on the device or the kernels' rounding beyond near-ties, so this runs where a GPU is not needed (float32 on CPU).
 
 ``--fp8`` adds, after each tree's row, the same tree drafted from float8 weight copies
-(``LongSpecDrafter(weight_dtype=torch.float8_e4m3fn)``), with its tau over the 16-bit row's;
-``--fp8-activations`` adds the same tree drafted with float8 weights and float8 inputs to every drafting linear
-(``activation_dtype=torch.float8_e4m3fn``: float8 x float8 GEMMs).
+(``LongSpecDrafter(weight_dtype=torch.float8_e4m3fn)``), with its tau over the 16-bit row's.
 
 Usage: ``python -m benchmarks.tree_tau --context 8192 --prompts 3 --new-tokens 128 --out benchmarks/results/cpu``.
 """
@@ -28,19 +26,17 @@ TREES = ["4-16-16-16-16", "4-16-16-16", "4-16-16", "4-12-12-12-12", "4-8-8-8-8",
 
 
 def measure(trees: list[str], context: int, prompts: int, new_tokens: int, device: str, dtype: torch.dtype,
-            on_row=lambda row: None, fp8: bool = False, fp8_activations: bool = False) -> list[dict]:
+            on_row=lambda row: None, fp8: bool = False) -> list[dict]:
     from longspec import LongSpecDrafter, SpeculativeDecoder
     from longspec.pretrained import heldout_stdlib_prompt, load_code_pair
 
     pair = load_code_pair(device, dtype)
     inputs = [heldout_stdlib_prompt(pair.tokenizer, context, seed=100 + i) for i in range(prompts)]
     rows = []
-    f8 = torch.float8_e4m3fn
-    kinds = [(None, None)] + ([(f8, None)] if fp8 else []) + ([(f8, f8)] if fp8_activations else [])
-    for tree, (weight_dtype, act_dtype) in [(t, k) for t in trees for k in kinds]:
+    for tree, weight_dtype in [(t, w) for t in trees for w in ((None, torch.float8_e4m3fn) if fp8 else (None,))]:
         spec = tree_shape(tree)
-        drafter = LongSpecDrafter(pair.draft, weight_dtype=weight_dtype, activation_dtype=act_dtype)
-        dec = SpeculativeDecoder(pair.target, drafter, tree_shape=spec, cuda_graphs=device.startswith("cuda"))
+        dec = SpeculativeDecoder(pair.target, LongSpecDrafter(pair.draft, weight_dtype=weight_dtype), tree_shape=spec,
+                                 cuda_graphs=device.startswith("cuda"))
         lengths, t0 = [], time.perf_counter()
         for ids, _ in inputs:
             out = dec.generate(ids.to(device), max_new_tokens=new_tokens)
@@ -48,13 +44,12 @@ def measure(trees: list[str], context: int, prompts: int, new_tokens: int, devic
         tau = sum(lengths) / len(lengths)
         depth = len(spec)
         by_depth = [sum(n > d for n in lengths) / len(lengths) for d in range(1, depth + 1)]
-        weights = "float8 x float8" if act_dtype else "float8" if weight_dtype else "16-bit"
-        row = {"tree": tree, "weights": weights, "nodes": 1 + sum(spec),
+        row = {"tree": tree, "weights": "float8" if weight_dtype else "16-bit", "nodes": 1 + sum(spec),
                "depth": depth, "rounds": len(lengths), "tau": tau,
                "accept_by_depth": "/".join(f"{a:.2f}" for a in by_depth), "seconds": time.perf_counter() - t0}
         row["tau_vs_first"] = tau / rows[0]["tau"] if rows else 1.0
         if weight_dtype is not None:
-            row["tau_vs_16bit"] = tau / next(r["tau"] for r in reversed(rows) if r["weights"] == "16-bit")
+            row["tau_vs_16bit"] = tau / rows[-1]["tau"]
         rows.append(row)
         on_row(row)
         print(row, flush=True)
@@ -75,8 +70,6 @@ def main(argv=None) -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--fp8", action="store_true", help="also each tree drafted from float8 weight copies")
-    ap.add_argument("--fp8-activations", action="store_true",
-                    help="also each tree drafted with float8 weights and float8 linear inputs (float8 x float8)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     dtype = torch.bfloat16 if a.device.startswith("cuda") else torch.float32
@@ -90,8 +83,7 @@ def main(argv=None) -> None:
                       columns=COLUMNS, notes=["greedy; tau over all rounds of all prompts; "
                                               "`python -m benchmarks.tree_tau`"])
 
-    measure(a.trees, a.context, a.prompts, a.new_tokens, a.device, dtype, on_row, fp8=a.fp8,
-            fp8_activations=a.fp8_activations)
+    measure(a.trees, a.context, a.prompts, a.new_tokens, a.device, dtype, on_row, fp8=a.fp8)
 
 
 if __name__ == "__main__":

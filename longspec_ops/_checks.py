@@ -233,8 +233,7 @@ def check_invariant_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> No
 
 
 def check_fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None, norm_weight: Tensor | None, eps: float,
-                       residual: Tensor | None, swiglu: bool, weight_scale: Tensor | None = None,
-                       x_fp8: bool = False) -> None:
+                       residual: Tensor | None, swiglu: bool, weight_scale: Tensor | None = None) -> None:
     op = "fused_linear"
     if not isinstance(x, Tensor) or x.dim() < 1:
         _fail(op, f"x must be a Tensor [..., K], got {getattr(x, 'shape', type(x).__name__)}")
@@ -255,11 +254,6 @@ def check_fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None, norm_weig
     if weight.shape[1] != K:
         _fail(op, f"weight must be [N, K] with K = x's last dimension ({K}), got {tuple(weight.shape)}")
     _last_dim_contiguous(op, "weight", weight)
-    if x_fp8 and weight_scale is None:
-        _fail(op, "x_fp8 needs a float8_e4m3fn weight with its weight_scale (a float8 x float8 GEMM), got no "
-                  "weight_scale")
-    if x_fp8 and K % 128:
-        _fail(op, f"x_fp8 quantizes x in runs of 128 columns: K must be a multiple of 128, got K = {K}")
     if swiglu and N % 2:
         _fail(op, f"swiglu needs weight = [gate; up] with an even row count N = 2 I, got N = {N}")
     tensors = {"x": x, "weight": weight}

@@ -68,29 +68,29 @@ lib.impl("rms_norm", _rms_norm_cuda, "CUDA")
 
 # fused_linear: a draft level's linear with its RMSNorm / SwiGLU / residual folded in (kernels/linear.py) ---------
 lib.define("fused_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? norm_weight, float eps, Tensor? residual, "
-           "bool swiglu, Tensor? weight_scale=None, bool x_fp8=False) -> Tensor")
+           "bool swiglu, Tensor? weight_scale=None) -> Tensor")
 
 
 @torch.library.register_fake("longspec::fused_linear", lib=lib)
-def _fused_linear_fake(x, weight, bias, norm_weight, eps, residual, swiglu, weight_scale=None, x_fp8=False):
-    _checks.check_fused_linear(x, weight, bias, norm_weight, eps, residual, swiglu, weight_scale, x_fp8)
+def _fused_linear_fake(x, weight, bias, norm_weight, eps, residual, swiglu, weight_scale=None):
+    _checks.check_fused_linear(x, weight, bias, norm_weight, eps, residual, swiglu, weight_scale)
     N = weight.shape[0]
     return x.new_empty((*x.shape[:-1], N // 2 if swiglu else N))
 
 
-def _fused_linear_cpu(x, weight, bias, norm_weight, eps, residual, swiglu, weight_scale=None, x_fp8=False):
-    _checks.check_fused_linear(x, weight, bias, norm_weight, eps, residual, swiglu, weight_scale, x_fp8)
-    return linear_ref.fused_linear(x, weight, bias, norm_weight, eps, residual, swiglu, weight_scale, x_fp8)
+def _fused_linear_cpu(x, weight, bias, norm_weight, eps, residual, swiglu, weight_scale=None):
+    _checks.check_fused_linear(x, weight, bias, norm_weight, eps, residual, swiglu, weight_scale)
+    return linear_ref.fused_linear(x, weight, bias, norm_weight, eps, residual, swiglu, weight_scale)
 
 
-def _fused_linear_cuda(x, weight, bias, norm_weight, eps, residual, swiglu, weight_scale=None, x_fp8=False):
-    _checks.check_fused_linear(x, weight, bias, norm_weight, eps, residual, swiglu, weight_scale, x_fp8)
+def _fused_linear_cuda(x, weight, bias, norm_weight, eps, residual, swiglu, weight_scale=None):
+    _checks.check_fused_linear(x, weight, bias, norm_weight, eps, residual, swiglu, weight_scale)
     from .kernels import linear
 
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if x.dtype == torch.float64 or rows > linear.MAX_ROWS or x.shape[-1] == 0:
-        return linear.composed_linear(x, weight, bias, norm_weight, eps, residual, swiglu, weight_scale, x_fp8)
-    return linear.fused_linear(x, weight, bias, norm_weight, eps, residual, swiglu, weight_scale, x_fp8=x_fp8)
+        return linear.composed_linear(x, weight, bias, norm_weight, eps, residual, swiglu, weight_scale)
+    return linear.fused_linear(x, weight, bias, norm_weight, eps, residual, swiglu, weight_scale)
 
 
 lib.impl("fused_linear", _fused_linear_cpu, "CPU")

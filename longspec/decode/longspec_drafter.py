@@ -122,16 +122,13 @@ class LongSpecDrafter:
     reads_all_target_layers = False
     compilable = True  # propose traces as one torch.compile graph
 
-    def __init__(self, draft: LongSpecDraft, weight_dtype: Optional[torch.dtype] = None,
-                 activation_dtype: Optional[torch.dtype] = None) -> None:
+    def __init__(self, draft: LongSpecDraft, weight_dtype: Optional[torch.dtype] = None) -> None:
         """``weight_dtype=torch.float8_e4m3fn`` drafts with float8 copies of the draft's linears and drafting head
         rows (per-row scales; :meth:`~longspec.model.draft.LongSpecDraft.pack_for_drafting`): half the bytes of a
-        draft level at real sizes; the trees change slightly, the output does not. ``activation_dtype`` as well:
-        those linears quantize their inputs too (float8 x float8 GEMMs, no conversion in their loops)."""
-        check_weight_dtype(weight_dtype, draft.dtype, "LongSpecDrafter", activation_dtype)
+        draft level at real sizes; the trees change slightly, the output does not."""
+        check_weight_dtype(weight_dtype, draft.dtype, "LongSpecDrafter")
         self.draft = draft
         self.weight_dtype = weight_dtype
-        self.activation_dtype = activation_dtype
         self.cache: Optional[LongSpecDraftCache] = None  # the current batch size's
         self._caches: dict[int, LongSpecDraftCache] = {}  # batch size -> its cache (graphs captured on it stay valid)
         self._tree: Optional[TreeSpec] = None  # the tree the caches were allocated for
@@ -160,7 +157,7 @@ class LongSpecDrafter:
         graphs of ``propose`` stay valid across calls) and fill the ring with each row's last W prompt tokens'
         K/V."""
         self._check(state, tree)
-        self.draft.pack_for_drafting(self.weight_dtype, self.activation_dtype)  # eager, before any capture: one GEMM for q/k/v, one for
+        self.draft.pack_for_drafting(self.weight_dtype)  # eager, before any capture: one GEMM for q/k/v, one for
         # gate/up (and the float8 copies, when asked for)
         B = state.tokens.shape[0]
         if self._tree != tree:

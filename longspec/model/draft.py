@@ -133,30 +133,25 @@ class LongSpecDraft(PreTrainedModel):
         self._gather_draft_head()
         return self
 
-    def pack_for_drafting(self, weight_dtype: Optional[torch.dtype] = None,
-                          activation_dtype: Optional[torch.dtype] = None) -> "LongSpecDraft":
+    def pack_for_drafting(self, weight_dtype: Optional[torch.dtype] = None) -> "LongSpecDraft":
         """Lay the self-attention's q/k/v and the MLP's gate/up weights out as one tensor each (the parameters
         become views of them: same values, same state dict, no second copy), so that drafting (gradients off) runs
         one GEMM per group (:mod:`longspec.model.packing`). Idempotent; packs again after anything gave the
         parameters new storage (``.to()``, an assigning load). :class:`~longspec.LongSpecDrafter` calls it at
         prefill. ``weight_dtype=torch.float8_e4m3fn``: every linear of a level and the drafting head rows are read
         as float8 copies with per-row scales, half the bytes; the trees change slightly, the output does not. The
-        window refeed (``W + 1`` rows) keeps the 16-bit q/k/v. ``activation_dtype=torch.float8_e4m3fn`` (with
-        float8 weights): each of those linears quantizes its input too (one power-of-two scale per row and 128
-        columns), so its GEMM runs float8 x float8 on the tensor cores with no conversion in its loop; the trees
-        change a little more, the output still does not."""
-        fp8, x_fp8 = check_weight_dtype(weight_dtype, self.dtype, "LongSpecDraft.pack_for_drafting",
-                                        activation_dtype)
+        window refeed (``W + 1`` rows) keeps the 16-bit q/k/v."""
+        fp8 = check_weight_dtype(weight_dtype, self.dtype, "LongSpecDraft.pack_for_drafting")
         packed = packed_or_none(self._packed)
         if packed is None:
             packed = pack_projections(self.self_attn, self.mlp, [b.mlp for b in self.extra_blocks])
         if fp8:
             head = self._draft_head if self._draft_head is not None else self._require_target().lm_head.weight
             sources = drafting_weights(self, packed, head)
-            if packed.fp8 is not None and packed.fp8.covers(sources) and packed.fp8.x_fp8 == x_fp8:
+            if packed.fp8 is not None and packed.fp8.covers(sources):
                 packed.fp8.refresh()  # in place: graphs captured on the copies stay valid
             else:
-                packed = replace(packed, fp8=quantize_linears(sources, x_fp8))
+                packed = replace(packed, fp8=quantize_linears(sources))
         elif packed.fp8 is not None:
             packed = replace(packed, fp8=None)
         self._packed = packed
@@ -207,7 +202,7 @@ class LongSpecDraft(PreTrainedModel):
             first = 0 if need_q else attn.num_heads * D
             bias = packed.qkv_bias[first:] if packed.qkv_bias is not None else None
             # the window refeed (need_q False, W + 1 rows) keeps the 16-bit weights: more rows than fp8's kernel takes
-            weight = self._packed.weight("qkv", packed.qkv_weight) if need_q else (packed.qkv_weight[first:], None, False)
+            weight = self._packed.weight("qkv", packed.qkv_weight) if need_q else (packed.qkv_weight[first:], None)
             qkv = _fused(x, weight, bias, norm=self.input_layernorm).view(B, S, -1, D)
             q, k, v = qkv.split([attn.num_heads if need_q else 0, attn.num_kv_heads, attn.num_kv_heads], dim=2)
         else:

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from longspec.model.draft_files import _is_dtensor
-from longspec_ops.reference.linear import X_FP8_GROUP, quantize_fp8_rows
+from longspec_ops.reference.linear import quantize_fp8_rows
 
 
 @dataclass(frozen=True)
@@ -45,24 +45,21 @@ class Packed:
         """(packed gate/up weight, bias or None) of the block's MLP (``part`` None) or extra block ``part``'s."""
         return (self.gate_up_weight, self.gate_up_bias) if part is None else self.extra_gate_up[part]
 
-    def weight(self, name: str, weight: Tensor) -> tuple[Tensor, Optional[Tensor], bool]:
-        """(weight, float8 row scales or None, whether x is quantized too) drafting reads for ``name``: its float8
-        copy, else ``weight``."""
+    def weight(self, name: str, weight: Tensor) -> tuple[Tensor, Optional[Tensor]]:
+        """(weight, float8 row scales or None) drafting reads for ``name``: its float8 copy, else ``weight``."""
         if self.fp8 is not None and name in self.fp8.weights:
-            return (*self.fp8.weights[name], self.fp8.x_fp8)
-        return weight, None, False
+            return self.fp8.weights[name]
+        return weight, None
 
 
 @dataclass
 class Fp8Weights:
     """``weights[name] = (float8_e4m3fn [N, K], float32 scale [N])`` of each drafting linear, quantized from
-    ``sources`` (the tensors whose values they copy) at their ``versions``; ``x_fp8``: each linear's input is
-    quantized too (``longspec::fused_linear``'s ``x_fp8``: a float8 x float8 GEMM)."""
+    ``sources`` (the tensors whose values they copy) at their ``versions``."""
 
     weights: dict[str, tuple[Tensor, Tensor]]
     sources: dict[str, Tensor]
     versions: dict[str, int]
-    x_fp8: bool = False
 
     def current(self) -> bool:
         """Whether no source was written in place since the copies were made (inference tensors keep no version
@@ -90,33 +87,20 @@ def _version(t: Tensor) -> int:
     return -1 if t.is_inference() else t._version
 
 
-def check_weight_dtype(weight_dtype: Optional[torch.dtype], draft_dtype: torch.dtype, where: str,
-                       activation_dtype: Optional[torch.dtype] = None) -> tuple[bool, bool]:
-    """(float8 drafting weights?, float8 activations too?) from ``weight_dtype`` and ``activation_dtype``;
-    ValueError unless each is None, ``draft_dtype`` or ``torch.float8_e4m3fn``, and float8 activations come with
-    float8 weights (the GEMM is float8 x float8)."""
-    for name, dtype in (("weight_dtype", weight_dtype), ("activation_dtype", activation_dtype)):
-        if dtype not in (None, draft_dtype, torch.float8_e4m3fn):
-            raise ValueError(f"{where}: {name} must be None, the draft's dtype {draft_dtype} or "
-                             f"torch.float8_e4m3fn, got {dtype}")
-    fp8, x_fp8 = weight_dtype == torch.float8_e4m3fn, activation_dtype == torch.float8_e4m3fn
-    if x_fp8 and not fp8:
-        raise ValueError(f"{where}: activation_dtype=torch.float8_e4m3fn needs weight_dtype=torch.float8_e4m3fn "
-                         f"(a float8 x float8 GEMM), got weight_dtype {weight_dtype}")
-    return fp8, x_fp8
+def check_weight_dtype(weight_dtype: Optional[torch.dtype], draft_dtype: torch.dtype, where: str) -> bool:
+    """Whether ``weight_dtype`` asks for float8 drafting weights; ValueError unless it is None, ``draft_dtype`` or
+    ``torch.float8_e4m3fn``."""
+    if weight_dtype not in (None, draft_dtype, torch.float8_e4m3fn):
+        raise ValueError(f"{where}: weight_dtype must be None, the draft's dtype {draft_dtype} or "
+                         f"torch.float8_e4m3fn, got {weight_dtype}")
+    return weight_dtype == torch.float8_e4m3fn
 
 
-def quantize_linears(weights: dict[str, Tensor], x_fp8: bool = False) -> Fp8Weights:
-    """Per-row float8 copies of ``weights`` (name -> ``[N, K]``), remembering the sources' versions; ``x_fp8``:
-    their inputs quantized too, which needs every K to be a multiple of :data:`X_FP8_GROUP`."""
-    if x_fp8:
-        bad = {name: w.shape[1] for name, w in weights.items() if w.shape[1] % X_FP8_GROUP}
-        if bad:
-            raise ValueError(f"float8 activations quantize x in runs of {X_FP8_GROUP} columns: every drafting "
-                             f"linear's input width must be a multiple of {X_FP8_GROUP}, got {bad}")
+def quantize_linears(weights: dict[str, Tensor]) -> Fp8Weights:
+    """Per-row float8 copies of ``weights`` (name -> ``[N, K]``), remembering the sources' versions."""
     with torch.no_grad():
         q = {name: quantize_fp8_rows(w) for name, w in weights.items()}
-    return Fp8Weights(q, dict(weights), {name: _version(t) for name, t in weights.items()}, x_fp8)
+    return Fp8Weights(q, dict(weights), {name: _version(t) for name, t in weights.items()})
 
 
 def _pack(layers: list[nn.Linear], attr: str) -> Optional[Tensor]:
@@ -160,13 +144,13 @@ def drafting_weights(draft: nn.Module, packed: Packed, head: Tensor) -> dict[str
     return {name: w.detach() for name, w in weights.items()}
 
 
-def fused_linear(x: Tensor, weight: tuple[Tensor, Optional[Tensor], bool], bias: Optional[Tensor], *,
+def fused_linear(x: Tensor, weight: tuple[Tensor, Optional[Tensor]], bias: Optional[Tensor], *,
                  norm: Optional[nn.Module] = None, residual: Optional[Tensor] = None, swiglu: bool = False) -> Tensor:
     """``[residual +] act(linear(norm(x)))`` as one ``longspec::fused_linear`` (``weight``: (weight, its float8
-    row scales or None, x quantized too) as :meth:`Packed.weight` gives it; ``norm``: an RMSNorm module)."""
+    row scales or None); ``norm``: an RMSNorm module)."""
     return torch.ops.longspec.fused_linear(x, weight[0], bias, None if norm is None else norm.weight,
                                            0.0 if norm is None else float(norm.variance_epsilon), residual, swiglu,
-                                           weight[1], weight[2])
+                                           weight[1])
 
 
 def packed_or_none(packed: Optional[Packed]) -> Optional[Packed]:

@@ -80,7 +80,7 @@ class LinearConfig:
 
 
 def default_config(n_out: int, k: int, num_sms: int = 132, swiglu: bool = False,
-                   weight_bytes: int = 2, x_fp8: bool = False) -> LinearConfig:
+                   weight_bytes: int = 2) -> LinearConfig:
     """The probe's best launches (H200, results/h200/probe_skinny_gemm.json), as a rule of (output columns, K).
 
     A program reads ``block_n`` weight rows (``2 block_n`` with SwiGLU: gate and up). Wide K (>= 2048, real model
@@ -96,8 +96,6 @@ def default_config(n_out: int, k: int, num_sms: int = 132, swiglu: bool = False,
     q/k/v, four were slower, and no split helped a 16-bit weight).
     """
     per_row = 2 if swiglu else 1
-    if x_fp8:  # one X_FP8_GROUP of K a step; 64 weight rows a program fill one wgmma's M (UNTUNED: not yet timed)
-        return LinearConfig(64, _ref.X_FP8_GROUP, 4, 6)
     if k >= 2048:
         rows = 64 if triton.cdiv(n_out * per_row, 64) >= 0.7 * num_sms else 32
         if triton.cdiv(n_out * per_row, 64) > 1.5 * num_sms:
@@ -122,30 +120,6 @@ def _from_fp8(w, dtype: tl.constexpr):
     return w.to(dtype)
 
 
-@triton.jit
-def _to_e4m3_grid(v):
-    """float32 ``v`` (|v| < 448) rounded to the nearest float8_e4m3fn value (ties to even), still float32: the
-    exact value a conversion then stores. Done in integer and float32 arithmetic because Triton's interpreter rounds
-    float32 -> float8 differently from the GPU (ties away, and 7.75 -> 4.0)."""
-    b = v.to(tl.int32, bitcast=True)
-    normal = ((b + 0x7FFFF + ((b >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)  # 3 mantissa bits
-    sub = (v + 24576.0) - 24576.0  # below 2^-6 the grid is 2^-9: float32's own rounding at 1.5 * 2^14
-    return tl.where(tl.abs(v) < 0.015625, sub, normal)
-
-
-@triton.jit
-def _quantize_x_fp8(x):
-    """``x [BLOCK_M, BLOCK_K]`` (one run of ``X_FP8_GROUP`` columns a row) -> (float8_e4m3fn tile, float32 scale
-    per row): :func:`longspec_ops.reference.linear.quantize_fp8_groups`, the scale a power of two from the run's
-    largest magnitude's exponent."""
-    xf = x.to(tl.float32)
-    amax = tl.max(tl.abs(xf), 1)
-    e = tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF, 8)
-    scale = ((e - 7) << 23).to(tl.float32, bitcast=True)
-    inv = ((261 - e) << 23).to(tl.float32, bitcast=True)
-    return _to_e4m3_grid(xf * inv[:, None]).to(tl.float8e4nv), scale
-
-
 @triton.jit(do_not_specialize=["M"])
 def _fused_linear_kernel(
     X,  # (M, K), stride(-1) == 1
@@ -160,7 +134,7 @@ def _fused_linear_kernel(
     stride_xm, stride_wn, stride_rm,
     eps,
     HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, SWIGLU: tl.constexpr,
-    HAS_SCALE: tl.constexpr, X_FP8: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_SCALE: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -180,9 +154,6 @@ def _fused_linear_kernel(
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = acc  # the up columns' sums (SWIGLU only)
-    # X_FP8: the sums transposed, weight rows on the tensor core's M side (wgmma's M is >= 64, x has <= 16 rows)
-    acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    acc_up_t = acc_t
     k_lo = tl.program_id(1) * k_per
     for k0 in range(k_lo, tl.minimum(K, k_lo + k_per), BLOCK_K):
         rk = k0 + offs_k
@@ -202,24 +173,14 @@ def _fused_linear_kernel(
             xn = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)  # LlamaRMSNorm rounds here ...
             x = (g[None, :] * xn.to(tl.float32)).to(x.dtype)  # ... and after the weight
         w = tl.load(W + rn[:, None] * stride_wn + rk[None, :], mask=w_mask, other=0.0)
-        if X_FP8:  # BLOCK_K == X_FP8_GROUP: one scale a row this step, applied to the step's float32 product
-            xq, xs = _quantize_x_fp8(x)
-            acc_t += tl.dot(w, tl.trans(xq)) * xs[None, :]
-            if SWIGLU:
-                wu = tl.load(W + (rn + N_OUT)[:, None] * stride_wn + rk[None, :], mask=w_mask, other=0.0)
-                acc_up_t += tl.dot(wu, tl.trans(xq)) * xs[None, :]
-        else:
+        if HAS_SCALE:
+            w = _from_fp8(w, x.dtype)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        if SWIGLU:
+            wu = tl.load(W + (rn + N_OUT)[:, None] * stride_wn + rk[None, :], mask=w_mask, other=0.0)
             if HAS_SCALE:
-                w = _from_fp8(w, x.dtype)
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
-            if SWIGLU:
-                wu = tl.load(W + (rn + N_OUT)[:, None] * stride_wn + rk[None, :], mask=w_mask, other=0.0)
-                if HAS_SCALE:
-                    wu = _from_fp8(wu, x.dtype)
-                acc_up = tl.dot(x, tl.trans(wu), acc_up, input_precision=DOT_PRECISION)
-    if X_FP8:
-        acc = tl.trans(acc_t)
-        acc_up = tl.trans(acc_up_t)
+                wu = _from_fp8(wu, x.dtype)
+            acc_up = tl.dot(x, tl.trans(wu), acc_up, input_precision=DOT_PRECISION)
 
     if SPLIT > 1:
         ws_mask = m_ok[:, None] & n_ok[None, :]
@@ -291,7 +252,7 @@ def _rows(t: Tensor, width: int) -> Tensor:
 
 def fused_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], norm_weight: Optional[Tensor], eps: float,
                  residual: Optional[Tensor], swiglu: bool, weight_scale: Optional[Tensor] = None,
-                 config: Optional[LinearConfig] = None, x_fp8: bool = False) -> Tensor:
+                 config: Optional[LinearConfig] = None) -> Tensor:
     """One launch of ``_fused_linear_kernel`` for already-validated arguments with at most :data:`MAX_ROWS` rows
     (``longspec_ops._checks.check_fused_linear``). ``config`` overrides :func:`default_config` (sweeps, tests)."""
     K, N = x.shape[-1], weight.shape[0]
@@ -309,10 +270,7 @@ def fused_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], norm_weight:
         bias = bias.contiguous() if bias is not None else None
         norm_weight = norm_weight.contiguous() if norm_weight is not None else None
         if config is None:
-            config = default_config(n_out, K, _num_sms(x.device), bool(swiglu), weight.element_size(), x_fp8)
-        if x_fp8 and config.block_k != _ref.X_FP8_GROUP:
-            raise ValueError(f"fused_linear kernel: x_fp8 takes one scale group a K step, so config.block_k must "
-                             f"be {_ref.X_FP8_GROUP}, got {config.block_k}")
+            config = default_config(n_out, K, _num_sms(x.device), bool(swiglu), weight.element_size())
         scale = weight_scale.contiguous() if weight_scale is not None else x2
         bias_arg = bias if bias is not None else x2
         # K per split in whole BLOCK_K steps; the splits actually used (a tiny K may need fewer)
@@ -326,7 +284,7 @@ def fused_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], norm_weight:
             x2, weight, scale, bias_arg, norm_weight if norm_weight is not None else x2,
             res2, out, ws,
             M, n_out, K, k_per, x2.stride(0), weight.stride(0), res2.stride(0), float(eps),
-            HAS_NORM=norm_weight is not None, X_FP8=bool(x_fp8), **flags,
+            HAS_NORM=norm_weight is not None, **flags,
             EVEN_K=K % config.block_k == 0, SPLIT=split,
             BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             DOT_PRECISION=_dot_precision(x.dtype),
@@ -341,15 +299,13 @@ def fused_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], norm_weight:
 
 
 def composed_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], norm_weight: Optional[Tensor], eps: float,
-                    residual: Optional[Tensor], swiglu: bool, weight_scale: Optional[Tensor] = None,
-                    x_fp8: bool = False) -> Tensor:
+                    residual: Optional[Tensor], swiglu: bool, weight_scale: Optional[Tensor] = None) -> Tensor:
     """The CUDA path above :data:`MAX_ROWS` rows (a batch of frontiers, the draft's window refeed): the norm as one
-    ``longspec::rms_norm`` launch, then the reference's cuBLAS GEMM and elementwise ops (a float8 weight, and x with
-    ``x_fp8``, dequantized by the reference: correct, not fast; drafting's window refeed stays on the 16-bit
-    weights)."""
+    ``longspec::rms_norm`` launch, then the reference's cuBLAS GEMM and elementwise ops (a float8 weight is
+    dequantized by the reference: correct, not fast; drafting's window refeed stays on the 16-bit weights)."""
     if norm_weight is not None:
         x = torch.ops.longspec.rms_norm(x, norm_weight, float(eps))
-    return _ref.fused_linear(x, weight, bias, None, eps, residual, swiglu, weight_scale, x_fp8)
+    return _ref.fused_linear(x, weight, bias, None, eps, residual, swiglu, weight_scale)
 
 
 __all__ = ["LinearConfig", "MAX_ROWS", "NORM_IN_KERNEL_BELOW", "composed_linear", "default_config", "fused_linear"]
