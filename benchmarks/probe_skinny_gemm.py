@@ -14,7 +14,8 @@ both against the byte floor (weight + activations at the measured copy bandwidth
 ``--fp8``: instead, float8_e4m3fn weights with per-row scales (``fused_linear``'s ``weight_scale``) against the
 16-bit table launch and cuBLAS at the same shapes, over a grid of launches (the float8 rule in
 :func:`~longspec_ops.kernels.linear.default_config` is the table's ``fp8_table`` column), and the table launch with
-more warps and K split over 2 or 4 programs (``--no-grid``: without the grid).
+more warps and K split over 2 or 4 programs (``--no-grid``: without the grid; ``--shapes 32B --rows 16``: only
+Qwen2.5-32B's draft shapes at 16 rows, written to ``probe_skinny_gemm_fp8_32B.json``).
 
 Usage (GPU): ``python -m benchmarks.probe_skinny_gemm [--fusions-only | --fp8] [--out DIR]``. The kernel's values are
 tested in ``tests/ops/test_fused_linear.py``.
@@ -138,12 +139,17 @@ def probe_fusions(bw: float, M: int = 16) -> list[dict]:
 FP8_CONFIGS = [LinearConfig(n, k, 4, st) for n, k, st in itertools.product((32, 64), (128, 256, 512), (3, 4, 5))]
 # (num_warps, split_k) around the table launch
 FP8_VARIANTS = [(4, 1), (8, 1), (4, 2), (4, 4)]
-FP8_SHAPES = SHAPES + [("8B gate/up + SwiGLU", 28672, 4096), ("pair gate/up + SwiGLU", 2048, 384)]
+FP8_SHAPES = SHAPES + [("8B gate/up + SwiGLU", 28672, 4096), ("pair gate/up + SwiGLU", 2048, 384),
+                       # Qwen2.5-32B's draft block (hidden 5120, MLP 27648, 8 KV heads of 128), 32k-token head
+                       ("32B q/k/v", 7168, 5120), ("32B o/cross q/cross o", 5120, 5120),
+                       ("32B gate/up + SwiGLU", 55296, 5120), ("32B down", 5120, 27648), ("32B lm head 32k", 32768, 5120)]
+FP8_SPLITS = (1, 2, 4)  # K split over programs in the grid, from K = 8192 (down_proj)
 
 
-def probe_fp8(out_dir: str | None, grid: bool = True) -> list[dict]:
+def probe_fp8(out_dir: str | None, grid: bool = True, prefixes: tuple[str, ...] = (), rows_m=(1, 16)) -> list[dict]:
     """Float8 weights against 16-bit ones: cuBLAS and the 16-bit table launch, the float8 table launch and the
-    best float8 launch of a grid, at M = 1 and 16, weights rotated through >= 256 MB of copies."""
+    best float8 launch of a grid (K split too from K = 8192), at ``rows_m`` rows, weights rotated through >= 256 MB
+    of copies; ``prefixes``: only the shapes whose names start with one of them (e.g. "32B")."""
     from benchmarks.harness import environment
     from benchmarks.timing import graph_calls_us, measure_peaks
 
@@ -153,7 +159,8 @@ def probe_fp8(out_dir: str | None, grid: bool = True) -> list[dict]:
     bw = measure_peaks(dev)["copy_bytes_per_s"]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
-    for (name, N, K), M in itertools.product(FP8_SHAPES, (1, 16)):
+    shapes = [s for s in FP8_SHAPES if not prefixes or s[0].startswith(tuple(prefixes))]
+    for (name, N, K), M in itertools.product(shapes, rows_m):
         swiglu = "SwiGLU" in name
         n_out = N // 2 if swiglu else N
         copies = min(24, max(3, -(-(256 << 20) // (N * K))))
@@ -181,7 +188,9 @@ def probe_fp8(out_dir: str | None, grid: bool = True) -> list[dict]:
             cfg = dataclasses.replace(table, num_warps=warps, split_k=split)
             variants[warps, split] = graph_calls_us(_rotating(lambda wq, c=cfg: run8(wq, c), q8), calls=32)
         best = None
-        for cfg in FP8_CONFIGS if K >= 2048 and grid else []:
+        grid_cfgs = [dataclasses.replace(c, split_k=k) for c in FP8_CONFIGS
+                     for k in (FP8_SPLITS if K >= 8192 and not swiglu else (1,))]
+        for cfg in grid_cfgs if K >= 2048 and grid else []:
             try:
                 got = run8(q8[0], cfg).float()
                 if not torch.allclose(got, ref, rtol=0.15, atol=0.15 * ref.abs().max().item()):
@@ -210,7 +219,8 @@ def probe_fp8(out_dir: str | None, grid: bool = True) -> list[dict]:
         torch.cuda.empty_cache()
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "probe_skinny_gemm_fp8.json"), "w") as f:
+        fname = "probe_skinny_gemm_fp8" + "".join(f"_{p.replace('/', '')}" for p in prefixes)  # a subset: its own file
+        with open(os.path.join(out_dir, f"{fname}.json"), "w") as f:
             json.dump({"environment": environment(), "copy_bytes_per_s": bw, "rows": rows}, f, indent=1)
     return rows
 
@@ -222,9 +232,12 @@ def main() -> None:
     mode.add_argument("--fp8", action="store_true", help="float8 weights against 16-bit ones (probe_skinny_gemm_fp8)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-grid", action="store_true", help="--fp8: the table launches only (no grid of launches)")
+    ap.add_argument("--shapes", nargs="+", default=[], metavar="PREFIX",
+                    help="--fp8: only the shapes whose names start with these (e.g. 32B)")
+    ap.add_argument("--rows", nargs="+", type=int, default=[1, 16], help="--fp8: rows of x (M) to time")
     a = ap.parse_args()
     if a.fp8:
-        probe_fp8(a.out, grid=not a.no_grid)
+        probe_fp8(a.out, grid=not a.no_grid, prefixes=tuple(a.shapes), rows_m=tuple(a.rows))
     else:
         probe(a.out, sweep=not a.fusions_only)
 
