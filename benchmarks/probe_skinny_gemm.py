@@ -142,7 +142,8 @@ FP8_VARIANTS = [(4, 1), (8, 1), (4, 2), (4, 4)]
 FP8_SHAPES = SHAPES + [("8B gate/up + SwiGLU", 28672, 4096), ("pair gate/up + SwiGLU", 2048, 384),
                        # Qwen2.5-32B's draft block (hidden 5120, MLP 27648, 8 KV heads of 128), 32k-token head
                        ("32B q/k/v", 7168, 5120), ("32B o/cross q/cross o", 5120, 5120),
-                       ("32B gate/up + SwiGLU", 55296, 5120), ("32B down", 5120, 27648), ("32B lm head 32k", 32768, 5120)]
+                       ("32B gate/up + SwiGLU", 55296, 5120), ("32B down", 5120, 27648),
+                       ("32B lm head 32k", 32768, 5120)]
 FP8_SPLITS = (1, 2, 4)  # K split over programs in the grid, from K = 8192 (down_proj)
 
 
