@@ -93,13 +93,19 @@ def default_config(n_out: int, k: int, num_sms: int = 132, swiglu: bool = False,
     programs (LM head 52.7 us, best 52.1; gate/up + SwiGLU 51.2, best 50.2), else 32 rows in 512-element steps with 4
     stages, the best launch of q/k/v (16.2 us against 20.5 for the 64-row rule), o_proj and down_proj; from K = 8192
     (down_proj) that launch with K split in two (H200: 21.5 us against 25.0; two splits did not help o_proj or
-    q/k/v, four were slower, and no split helped a 16-bit weight).
+    q/k/v, four were slower, and no split helped a 16-bit weight). From K = 16384 (Qwen2.5-32B's down_proj, K =
+    27648, 5120 outputs; ``probe_skinny_gemm --fp8 --shapes 32B --rows 16``, H100,
+    results/h100/probe_skinny_gemm_fp8_32B.json): 256-element steps, 3 stages, K split into pieces of at most 8192
+    (four there: 53.2 us against 71.6 for two splits of the 512-element launch, 61.2 for four; floor 46.7), so
+    that the 160 column tiles fill the SMs several times over.
     """
     per_row = 2 if swiglu else 1
     if k >= 2048:
         rows = 64 if triton.cdiv(n_out * per_row, 64) >= 0.7 * num_sms else 32
         if triton.cdiv(n_out * per_row, 64) > 1.5 * num_sms:
             return LinearConfig(rows // per_row, 256 if weight_bytes == 1 else 128, 4, 3)
+        if weight_bytes == 1 and k >= 16384:
+            return LinearConfig(32 // per_row, 256, 4, 3, split_k=triton.cdiv(k, 8192))
         if weight_bytes == 1:
             return LinearConfig(32 // per_row, 512, 4, 4, split_k=2 if k >= 8192 else 1)
         return LinearConfig(rows // per_row, 256 if rows == 32 else 128, 4, 5)
@@ -300,9 +306,9 @@ def fused_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], norm_weight:
 
 def composed_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], norm_weight: Optional[Tensor], eps: float,
                     residual: Optional[Tensor], swiglu: bool, weight_scale: Optional[Tensor] = None) -> Tensor:
-    """The CUDA path above :data:`MAX_ROWS` rows (a batch of frontiers, the draft's window refeed): the norm as one
-    ``longspec::rms_norm`` launch, then the reference's cuBLAS GEMM and elementwise ops (a float8 weight is
-    dequantized by the reference: correct, not fast; drafting's window refeed stays on the 16-bit weights)."""
+    """The CUDA path above :data:`MAX_ROWS` rows (a batch of frontiers, the draft's prefill of its window): the norm
+    as one ``longspec::rms_norm`` launch, then the reference's cuBLAS GEMM and elementwise ops (a float8 weight is
+    dequantized by the reference: correct, not fast; the draft's committed-token K/V stay on the 16-bit weights)."""
     if norm_weight is not None:
         x = torch.ops.longspec.rms_norm(x, norm_weight, float(eps))
     return _ref.fused_linear(x, weight, bias, None, eps, residual, swiglu, weight_scale)

@@ -139,8 +139,10 @@ def test_default_config_rule():
         assert c.num_stages * (16 + (2 if swiglu else 1) * c.block_n) * c.block_k * 2 <= 227 * 1024, (n, k)
     assert default_config(6144, 4096, 132, weight_bytes=1) == LinearConfig(32, 512, 4, 4)  # float8 q/k/v
     assert default_config(4096, 14336, 132, weight_bytes=1) == LinearConfig(32, 512, 4, 4, split_k=2)  # float8 down
+    assert default_config(5120, 27648, 132, weight_bytes=1) == LinearConfig(32, 256, 4, 3, split_k=4)  # Qwen 32B's
     assert default_config(32768, 4096, 132, weight_bytes=1) == LinearConfig(64, 256, 4, 3)  # float8 LM head
-    for n, k, swiglu in ((6144, 4096, False), (4096, 14336, False), (14336, 4096, True), (128256, 4096, False)):
+    for n, k, swiglu in ((6144, 4096, False), (4096, 14336, False), (14336, 4096, True), (128256, 4096, False),
+                         (5120, 27648, False)):
         c = default_config(n, k, 132, swiglu, weight_bytes=1)  # float8 weight tiles + their 16-bit conversion
         tiles = (2 if swiglu else 1) * c.block_n * c.block_k
         assert c.num_stages * (16 * c.block_k * 2 + tiles) + tiles * 2 <= 227 * 1024, (n, k)
