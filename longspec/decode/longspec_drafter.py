@@ -19,9 +19,10 @@ included) plus its ancestors and itself; the left edge depends on the node's dep
   of it goes to the engine with the tree (the verify forward's mask), so the tree structure is built once per round.
 
 **A round** (:meth:`LongSpecDrafter.propose`): (1) re-feed: the K/V of the tokens committed since the last call and
-of the new root go into the ring (a fixed W + 1 positions ending at the root, masked to those not in the ring yet,
-so any number of rounds may pass between two calls: a round that leaves this drafter out costs it nothing); only
-the root also needs a query, since a single block's K/V depend on nothing but (token, position). (2) The ring is read into the window.
+of the new root go into the ring (a fixed ``min(max_depth + 1, W + 1)`` positions ending at the root, masked to those
+already in the ring: the protocol commits at most ``max_depth + 1`` tokens between two calls, and a round that
+leaves this drafter out calls :meth:`~LongSpecDrafter.observe`, which re-feeds the same way); only the root also
+needs a query, since a single block's K/V depend on nothing but (token, position). (2) The ring is read into the window.
 (3) Level 0 runs the root, levels 1..depth-1 run all nodes of the previous depth: self-attention = one
 ``hybrid_tree_attn`` launch over the window (the committed part) and the nodes drafted so far under the level's
 ancestor rows (the root alone: ``prefix_attn`` over the window); cross-attention = ``prefix_attn`` over the target's
@@ -183,7 +184,7 @@ class LongSpecDrafter:
         scores are the nodes' cumulative log-probabilities under the draft.
         """
         self._check_round(state, tree)
-        self._refeed(state)
+        self._refeed(state, tree)
         self._read_window(state.seqlens.to(torch.int64))
         tokens, parents = [state.root[:, None]], [torch.full_like(state.root[:, None], -1)]
         level, cum = state.root[:, None], torch.zeros(state.root.shape[0], 1, device=state.root.device)
@@ -207,8 +208,12 @@ class LongSpecDrafter:
 
     @torch.no_grad()
     def observe(self, state: DecodeState, tree: TreeSpec) -> None:
-        """Nothing to catch up on now: the next ``propose`` re-feeds every position since the last call that its
-        window still reaches (for rounds that verify no tree of this drafter)."""
+        """A round that verifies no tree of this drafter: the K/V of the tokens committed since the last call and of
+        the root go into the ring, as ``propose`` writes them first (``tree`` only bounds the depth when
+        ``state.max_depth`` is None; a merged drafter passes its own tree here)."""
+        if self.cache is None or self.cache.ring_k.shape[0] != state.tokens.shape[0]:
+            raise RuntimeError("LongSpecDrafter.observe needs prefill() for this batch first")
+        self._refeed(state, tree)
 
     def _check_round(self, state: DecodeState, tree: TreeSpec) -> None:
         if self.cache is None or self.cache.ring_k.shape[0] != state.tokens.shape[0]:
@@ -219,17 +224,19 @@ class LongSpecDrafter:
 
     # --- rounds -----------------------------------------------------------------------------------------------------
 
-    def _refeed(self, state: DecodeState) -> None:
+    def _refeed(self, state: DecodeState, tree: TreeSpec) -> None:
         """Write the K/V of positions ``[ring_end, root]`` into the ring: tokens committed since the last call + root.
 
-        A fixed W + 1 positions ending at the root, those before ``ring_end`` masked: whatever the number of rounds
-        since the last call, every position the window still reaches is written, and nothing older than W back is
-        read again. (A drafter that proposed every round would need only max_depth + 1 of them; the fixed width
-        lets rounds that leave it out skip it entirely, for one [B, W + 1] K/V projection per call.)
+        A fixed ``F = min(max_depth + 1, W + 1)`` positions ending at the root, those before ``ring_end`` masked:
+        between two calls (``propose`` or ``observe``) a round commits at most ``max_depth + 1`` tokens, so
+        ``ring_end >= root - max_depth``, and positions more than W back are never read again. (It was W + 1
+        positions, so that rounds leaving the drafter out could skip it: at the published window a [B, 513] K/V
+        projection, RoPE and ring write per call; the projection alone took 18.6 us of a Llama-3-8B draft step in
+        ``benchmarks/results/h200/draft_profile.txt``.)
         """
         cache, W = self.cache, self.draft.config.window
         r = state.seqlens.to(torch.int64)
-        F = W + 1
+        F = min((state.max_depth if state.max_depth is not None else tree.depth) + 1, W + 1)
         pos = r[:, None] - (F - 1) + torch.arange(F, device=r.device)  # [B, F], the root last
         committed = state.tokens.gather(1, pos.clamp(0, state.tokens.shape[1] - 1))
         ids = torch.where(pos == r[:, None], state.root[:, None], committed)

@@ -140,7 +140,8 @@ class LongSpecDraft(PreTrainedModel):
         parameters new storage (``.to()``, an assigning load). :class:`~longspec.LongSpecDrafter` calls it at
         prefill. ``weight_dtype=torch.float8_e4m3fn``: every linear of a level and the drafting head rows are read
         as float8 copies with per-row scales, half the bytes; the trees change slightly, the output does not. The
-        window refeed (``W + 1`` rows) keeps the 16-bit q/k/v."""
+        K/V of committed tokens (the drafter's prefill and re-feed, ``need_q=False``) keep the 16-bit q/k/v, so the
+        window is the same whatever the drafting weights."""
         fp8 = check_weight_dtype(weight_dtype, self.dtype, "LongSpecDraft.pack_for_drafting")
         packed = packed_or_none(self._packed)
         if packed is None:
@@ -201,7 +202,8 @@ class LongSpecDraft(PreTrainedModel):
         if packed is not None:  # one launch for N1 and q, k and v (k and v only without q)
             first = 0 if need_q else attn.num_heads * D
             bias = packed.qkv_bias[first:] if packed.qkv_bias is not None else None
-            # the window refeed (need_q False, W + 1 rows) keeps the 16-bit weights: more rows than fp8's kernel takes
+            # committed tokens' K/V (need_q False: prefill, re-feed) keep the 16-bit weights, so the ring does not
+            # depend on the drafting weights (and prefill's W rows are more than fp8's kernel takes)
             weight = self._packed.weight("qkv", packed.qkv_weight) if need_q else (packed.qkv_weight[first:], None)
             qkv = _fused(x, weight, bias, norm=self.input_layernorm).view(B, S, -1, D)
             q, k, v = qkv.split([attn.num_heads if need_q else 0, attn.num_kv_heads, attn.num_kv_heads], dim=2)

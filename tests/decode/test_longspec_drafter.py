@@ -39,7 +39,8 @@ def make_state(target, prompts: list[list[int]], capacity: int, seed: int) -> De
 
 
 def commit_random_path(state: DecodeState, tree, g: torch.Generator) -> None:
-    """Accept a random node's path per row (root first), as the engine would, and draw a new root (the bonus)."""
+    """Accept a random node's path per row (root first), as the engine would, and draw a new root (the bonus). The
+    root committed is the state's (a round that verified no tree of ``tree``'s drafter commits its own root)."""
     V = state.target.config.vocab_size
     for b in range(state.root.shape[0]):
         node = int(torch.randint(0, tree.tokens.shape[1], (1,), generator=g))
@@ -48,6 +49,7 @@ def commit_random_path(state: DecodeState, tree, g: torch.Generator) -> None:
             path.append(int(tree.tokens[b, node]))
             node = int(tree.parents[b, node])
         r = int(state.seqlens[b])
+        path[-1] = int(state.root[b])
         state.tokens[b, r : r + len(path)] = torch.tensor(path[::-1])
         state.cache.seqlens[b] += len(path)
         state.root[b] = int(torch.randint(0, V, (1,), generator=g))
@@ -95,8 +97,9 @@ CASES = [
 @pytest.mark.parametrize("sit_out", [0, 2])
 @pytest.mark.parametrize("kind,heads,rope,window,shape,lens,rounds", CASES)
 def test_tree_drafting_matches_dense_recomputation(kind, heads, rope, window, shape, lens, rounds, sit_out):
-    """``sit_out``: rounds committed between two proposes without calling the drafter (a merged drafter's part
-    that sits out: up to 2 x (depth + 1) tokens, more than a small window holds); its next propose catches up."""
+    """``sit_out``: rounds between two proposes that verify no tree of the drafter (a merged drafter's part that
+    sits out: up to 2 x (depth + 1) tokens more, more than a small window holds); it catches up through
+    ``observe``, each call writing at most ``depth + 1`` positions, as ``propose`` does."""
     target = tiny_target(kind, heads, rope=rope)
     draft = LongSpecDraft.from_target(target, window=window)
     randomize(draft)
@@ -126,7 +129,9 @@ def test_tree_drafting_matches_dense_recomputation(kind, heads, rope, window, sh
             torch.testing.assert_close(got[b], want[:inner], atol=2e-4, rtol=1e-4)
             tokens, parents = beam_select(want, tree, b, spec.shape, spec.offsets)
             assert tree.tokens[b, 1:].tolist() == tokens and tree.parents[b, 1:].tolist() == parents
-        for _ in range(1 + sit_out):
+        for i in range(1 + sit_out):
+            if i:  # a round it sits out: the engine has it catch up before the round commits
+                drafter.observe(state, spec)
             commit_random_path(state, tree, g)
 
 
