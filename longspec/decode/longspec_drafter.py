@@ -184,15 +184,11 @@ class LongSpecDrafter:
         scores are the nodes' cumulative log-probabilities under the draft.
         """
         self._check_round(state, tree)
-        self._refeed(state, tree)
+        cos_all, sin_all = self._refeed(state, tree, tree.depth)  # [B, depth, D]: RoPE at the levels' positions
         self._read_window(state.seqlens.to(torch.int64))
         tokens, parents = [state.root[:, None]], [torch.full_like(state.root[:, None], -1)]
         level, cum = state.root[:, None], torch.zeros(state.root.shape[0], 1, device=state.root.device)
         scores = [cum]
-        # RoPE at the levels' positions root + d, once per round (the rotary module is a float32 GEMM and two
-        # elementwise kernels per call)
-        levels = state.seqlens.to(torch.int64)[:, None] + torch.arange(tree.depth, device=state.root.device)
-        cos_all, sin_all = self.draft.rope(self.cache.ring_k, levels)  # [B, depth, D]
         for d in range(tree.depth):  # level d's nodes propose depth d + 1; the leaves (depth `tree.depth`) never run
             logits = self._level_logits(state, tree, level, d, cos_all[:, d:d + 1], sin_all[:, d:d + 1])
             parent, column, cum = torch.ops.longspec.beam_topk(logits, cum, tree.shape[d])
@@ -224,8 +220,11 @@ class LongSpecDrafter:
 
     # --- rounds -----------------------------------------------------------------------------------------------------
 
-    def _refeed(self, state: DecodeState, tree: TreeSpec) -> None:
+    def _refeed(self, state: DecodeState, tree: TreeSpec, levels: int = 0) -> tuple[Tensor, Tensor]:
         """Write the K/V of positions ``[ring_end, root]`` into the ring: tokens committed since the last call + root.
+        Returns RoPE's cos, sin ``[B, levels, D]`` at positions ``root .. root + levels - 1`` (the draft levels'),
+        from the same call of the rotary module as the re-feed's (one float32 GEMM and two elementwise kernels a
+        call: the positions run on from the re-feed's).
 
         A fixed ``F = min(max_depth + 1, W + 1)`` positions ending at the root, those before ``ring_end`` masked:
         between two calls (``propose`` or ``observe``) a round commits at most ``max_depth + 1`` tokens, so
@@ -237,17 +236,22 @@ class LongSpecDrafter:
         cache, W = self.cache, self.draft.config.window
         r = state.seqlens.to(torch.int64)
         F = min((state.max_depth if state.max_depth is not None else tree.depth) + 1, W + 1)
-        pos = r[:, None] - (F - 1) + torch.arange(F, device=r.device)  # [B, F], the root last
+        every = r[:, None] - (F - 1) + torch.arange(F + max(levels - 1, 0), device=r.device)  # root at column F - 1
+        pos = every[:, :F]  # [B, F], the root last
         committed = state.tokens.gather(1, pos.clamp(0, state.tokens.shape[1] - 1))
         ids = torch.where(pos == r[:, None], state.root[:, None], committed)
-        self._write_ring(pos, ids, (pos >= cache.ring_end[:, None]) & (pos >= 0))
+        cos, sin = self.draft.rope(cache.ring_k, every.clamp_min(0))
+        self._write_ring(pos, ids, (pos >= cache.ring_end[:, None]) & (pos >= 0), (cos[:, :F], sin[:, :F]))
         cache.ring_end.copy_(r + 1)
+        return cos[:, F - 1:F - 1 + levels], sin[:, F - 1:F - 1 + levels]
 
-    def _write_ring(self, pos: Tensor, ids: Tensor, valid: Tensor) -> None:
-        """K/V of ``ids`` at positions ``pos`` (int64 ``[B, S]``, distinct slots per row) into the ring where valid."""
+    def _write_ring(self, pos: Tensor, ids: Tensor, valid: Tensor, rope: Optional[tuple[Tensor, Tensor]] = None
+                    ) -> None:
+        """K/V of ``ids`` at positions ``pos`` (int64 ``[B, S]``, distinct slots per row) into the ring where valid;
+        ``rope``: RoPE's (cos, sin) at ``pos`` when the caller has them."""
         cache, draft = self.cache, self.draft
         x = draft.embed(ids)
-        cos, sin = draft.rope(x, pos.clamp_min(0))
+        cos, sin = rope if rope is not None else draft.rope(x, pos.clamp_min(0))
         _, k, v = draft.self_qkv(x, cos, sin, need_q=False)
         slot = pos.remainder(cache.ring_k.shape[1])
         b = torch.arange(pos.shape[0], device=pos.device)[:, None].expand_as(slot)
