@@ -46,17 +46,17 @@ def main():
             k = torch.randn(1, N, Hkv, D, device=dev, dtype=dt)
             v = torch.randn_like(k)
             ln = torch.full((1,), N - 100, dtype=torch.int32, device=dev)
-            for M in (1, 16):
+            for M in (1, 4, 12, 16):
                 q = torch.randn(1, M, Hq, D, device=dev, dtype=dt)
                 base = split_config(D, M * (Hq // Hkv), dt, q.device)
-                for label, rows in (
-                    ("default", None),
-                    ("s1024", 1024),
-                    ("s2048", 2048),
-                    ("s4096", 4096),
-                    ("s512", 512),
-                ):
-                    cfg = dataclasses.replace(base, split_rows=rows) if rows else None
+                variants = [("default", None)] + [
+                    (f"s{rows}", dataclasses.replace(base, split_rows=rows)) for rows in (512, 1024, 2048, 4096)
+                ] + [  # tiles small enough for 2-3 programs an SM (K + V stages of shared memory), the split rule
+                    # told so through occupancy
+                    (f"bn{bn}st{st}occ{occ}", dataclasses.replace(base, block_n=bn, num_stages=st, occupancy=occ))
+                    for bn, st, occ in ((64, 3, 2), (64, 2, 3), (32, 4, 3), (128, 2, 1), (64, 4, 1))
+                ]
+                for label, cfg in variants:
                     us = graph_calls_us(lambda: L.prefix_attn(q, k, v, ln, D**-0.5, config=cfg))
                     print(f"  cross N={N} M={M} {label}: {us:.2f} us", flush=True)
         del target, draft
