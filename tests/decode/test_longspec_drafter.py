@@ -265,7 +265,8 @@ class GemmShapes(TorchDispatchMode):
 
 def test_prefill_runs_only_the_windows_self_kv():
     """Prefill projects K/V for exactly the last W positions per row (one packed k/v GEMM): no queries,
-    cross-attention or MLP; drafting never runs the dead cross-attention k/v projections."""
+    cross-attention or MLP; drafting never runs the dead cross-attention k/v projections, and re-feeds only the
+    positions a round can have committed."""
     target = tiny_target("llama", (4, 2))
     draft = LongSpecDraft.from_target(target, window=16)
     c = draft.config
@@ -277,11 +278,15 @@ def test_prefill_runs_only_the_windows_self_kv():
     rows = {}
     handles = [m.register_forward_hook(lambda _m, inputs, _o, n=n: rows.setdefault(n, inputs[0].shape))
                for n, m in (("cross_k", draft.cross_attn.k_proj), ("cross_v", draft.cross_attn.v_proj))]
-    with torch.inference_mode():
+    with torch.inference_mode(), GemmShapes() as gemms:
         drafter.propose(state, TreeSpec((2, 2)))
     assert rows == {}  # dead projections never run
     for h in handles:
         h.remove()
+    # propose's first product is the re-feed: depth + 1 = 3 positions a row (at most that many were committed since
+    # the last call), not the window's W + 1 = 17; no product runs on that many rows
+    assert gemms.shapes[0] == (2 * 3, 2 * c.num_key_value_heads * c.head_dim), gemms.shapes
+    assert all(rows_ < 2 * 17 for rows_, _ in gemms.shapes), gemms.shapes
 
 
 def test_packed_projections_equal_the_parameters():
@@ -330,6 +335,8 @@ def test_prefill_rejects_an_incompatible_target():
         drafter.prefill(make_state(target, [[1, 2, 3]], 16, seed=0), TreeSpec((2, 400)))
     with pytest.raises(RuntimeError, match="prefill"):
         LongSpecDrafter(LongSpecDraft.from_target(target)).propose(state, TreeSpec((2,)))
+    with pytest.raises(RuntimeError, match="observe needs prefill"):
+        LongSpecDrafter(LongSpecDraft.from_target(target)).observe(state, TreeSpec((2,)))
 
 
 # --- lossless through the engine -------------------------------------------------------------------------------------
