@@ -78,12 +78,13 @@ class SpeculativeDecoder:
             or a :class:`~longspec.decode.drafter.TreeSpec` (``TreeSpec.merged(...)`` for a
             :class:`~longspec.decode.merge.MergedDrafter`).
         cuda_graphs: replay every round from CUDA graphs (CUDA only): the target's decode / verify forwards,
-            the drafter's ``propose`` when it offers ``graph_state()`` (all three built-in drafters do) and the
-            round's tail: each captured on its first round of a batch size and kept across calls (:meth:`warmup`
-            captures them up front).
+            the drafter's ``propose`` (and ``observe`` in a budget's plain rounds) when it offers ``graph_state()``
+            (all three built-in drafters do) and the round's tail: each captured on its first round of a batch
+            size and kept across calls (:meth:`warmup` captures them up front).
         compile: ``torch.compile`` the target's decoder layers (:class:`~longspec.model.target.CompiledTarget`),
-            the drafter's ``propose`` when it declares ``compilable = True`` (the LongSpec and prompt-lookup
-            drafters do; a :class:`~longspec.decode.merge.MergedDrafter`'s parts through its ``compiled_propose``)
+            the drafter's ``propose`` and ``observe`` when it declares ``compilable = True`` (the LongSpec and
+            prompt-lookup drafters do; a :class:`~longspec.decode.merge.MergedDrafter`'s parts through its
+            ``compiled_calls``)
             and the round's tail. The first round of each new shape waits for the compile (seconds
             per compiled function; torch.compile caches the results on disk, so later processes wait less);
             :meth:`warmup` compiles every shape a request can have up front.
@@ -155,15 +156,16 @@ class SpeculativeDecoder:
                                max_cache_len, self.tp)
         self._compiled = CompiledTarget(target) if compile else None
         self._propose_fn = drafter.propose if drafter is not None else None
+        observe = getattr(drafter, "observe", None)
         if compile and drafter is not None:
             compile_fn = functools.partial(torch.compile, fullgraph=True, options=DRAFT_INDUCTOR_OPTIONS)
             if getattr(drafter, "compilable", False):
                 self._propose_fn = compile_fn(drafter.propose)
-            elif hasattr(drafter, "compiled_propose"):  # a merged drafter: its parts compiled, the merge as it is
-                # (tested on the CPU; not yet run on a GPU under CUDA graphs: benchmarks/results/h100/NOTES.md)
-                self._propose_fn = drafter.compiled_propose(compile_fn)
+                observe = compile_fn(observe) if observe is not None else None
+            elif hasattr(drafter, "compiled_calls"):  # a merged drafter: its parts compiled, the merge as it is
+                self._propose_fn, observe = drafter.compiled_calls(compile_fn)
         self._tail = RoundTail(self.tree, kv_update, self.cuda_graphs, compile)
-        self._draft_step = DraftStep(drafter, self.tree, budget, self._propose_fn, self.cuda_graphs)
+        self._draft_step = DraftStep(drafter, self.tree, budget, self._propose_fn, observe, self.cuda_graphs)
 
     # -- public ---------------------------------------------------------------------------------------------------
 
@@ -328,12 +330,9 @@ class SpeculativeDecoder:
         index = None if self.drafter is None else self._choose(run) if option is None else option
         if self.drafter is None or (index is not None and self.budget.options[index].spec is None
                                     and self.kv_update is KVUpdate.COMMIT):
-            if self.drafter is not None:
-                if hasattr(self.drafter, "observe"):
-                    with timer.phase("draft"):
-                        self.drafter.observe(run.state, self.tree)
-                else:
-                    run.stale = True  # it will miss this round's tokens
+            if self.drafter is not None:  # it catches up (its observe, in the slot's graph) or is marked stale;
+                with timer.phase("draft"):  # the step's root tree goes unused
+                    self._draft_step(run, index)
             with timer.phase("verify"):
                 logits = self._forwards.get(run.slot, "decode")(run.state.root[:, None])
             with timer.phase("accept"):

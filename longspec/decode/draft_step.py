@@ -16,13 +16,14 @@ from .tree import complete_tree
 
 
 class DraftStep:
-    """The draft step of one decoder: ``drafter`` over ``tree`` (``propose``: its ``propose`` or the compiled one),
-    cut by ``budget`` when given; under ``cuda_graphs`` replayed from the slot's graphs."""
+    """The draft step of one decoder: ``drafter`` over ``tree`` (``propose`` / ``observe``: its own or the compiled
+    ones), cut by ``budget`` when given; under ``cuda_graphs`` replayed from the slot's graphs. A budget's plain
+    option is a step too: the drafter catches up (``observe``) and the tree is the root alone."""
 
     def __init__(self, drafter: Optional[Drafter], tree: TreeSpec, budget: Optional[AdaptiveBudget],
-                 propose: Optional[Callable], cuda_graphs: bool) -> None:
+                 propose: Optional[Callable], observe: Optional[Callable], cuda_graphs: bool) -> None:
         self.drafter, self.tree, self.budget = drafter, tree, budget
-        self.propose, self.cuda_graphs = propose, cuda_graphs
+        self.propose, self.observe, self.cuda_graphs = propose, observe, cuda_graphs
 
     def __call__(self, run: Run, index: Optional[int]) -> tuple[DraftTree, Optional[Tensor], Optional[tuple]]:
         """The round's complete tree, and under a budget its option's realised tau and what the tail's
@@ -32,7 +33,7 @@ class DraftStep:
         ``graph_state``: one graph per option (and sampling setting, under a budget) in the slot, captured on its
         first round and recaptured only if the drafter's state moved."""
         plain = index is not None and self.budget.options[index].spec is None
-        if plain and not hasattr(self.drafter, "observe"):
+        if plain and self.observe is None:
             run.stale = True  # it will miss this round's tokens
         elif not plain and run.stale:
             self.drafter.prefill(run.state, self.tree)
@@ -54,8 +55,8 @@ class DraftStep:
             return complete_tree(self.propose(state, self.tree), self.tree), None, None
         spec = self.budget.options[index].spec
         if spec is None:  # a plain round: the root alone (it scores no option); the drafter only catches up
-            if hasattr(self.drafter, "observe"):
-                self.drafter.observe(state, self.tree)
+            if self.observe is not None:
+                self.observe(state, self.tree)
             tree = root_tree(state.root)
             return tree, torch.ones((), device=state.root.device), (tree.depths,
                                                                      *run.stats.blank(state.root.shape[0], 1,

@@ -194,9 +194,10 @@ class Drafter(Protocol):
     the engine (with ``cuda_graphs=True``) then captures ``propose`` as a CUDA graph once per ``generate`` (the
     warm-up run before capture is undone by restoring those tensors). Without it, ``propose`` runs eagerly.
     ``compilable``: True when ``torch.compile(propose, fullgraph=True)`` traces (no host syncs, no Python control
-    flow on tensor values); the engine compiles it when built with ``compile=True``. A drafter that is not
-    compilable as a whole may offer ``compiled_propose(compile_fn)`` instead: its ``propose`` with the parts that
-    are passed through ``compile_fn`` (:class:`~longspec.decode.merge.MergedDrafter` compiles its parts so).
+    flow on tensor values), and so does ``observe``; the engine compiles both when built with ``compile=True``. A
+    drafter that is not compilable as a whole may offer ``compiled_calls(compile_fn)`` instead: its ``(propose,
+    observe)`` with the parts that are passed through ``compile_fn`` (:class:`~longspec.decode.merge.MergedDrafter`
+    compiles its parts so).
     ``nbytes()``: the device memory the drafter holds, for reports.
     ``observe(state, tree)``: catch up on the tokens committed since the last call without proposing, for the
     rounds an adaptive budget (:mod:`~longspec.decode.budget`) verifies no tree of this drafter (a plain round, or a

@@ -51,7 +51,7 @@ class MergedDrafter:
         self.parts = tuple(drafters)
         self.vocab_size = vocab.pop() if vocab else None
         self.reads_all_target_layers = any(getattr(d, "reads_all_target_layers", True) for d in drafters)
-        # the merge keeps a per-layout cache, so it runs eagerly (or from the CUDA graph); compiled_propose compiles
+        # the merge keeps a per-layout cache, so it runs eagerly (or from the CUDA graph); compiled_calls compiles
         # the parts instead
         self.compilable = False
         self._layouts: dict = {}
@@ -70,26 +70,33 @@ class MergedDrafter:
             part.prefill(state, spec if spec is not None else tree)
 
     def observe(self, state: DecodeState, tree: TreeSpec) -> None:
-        for part, spec in zip(self.parts, self._part_specs(tree)):
-            part.observe(state, spec if spec is not None else tree)
+        self._observe(state, tree, [part.observe for part in self.parts])
 
     def propose(self, state: DecodeState, tree: TreeSpec) -> DraftTree:
-        return self._propose(state, tree, [part.propose for part in self.parts])
+        return self._propose(state, tree, [part.propose for part in self.parts], [part.observe for part in self.parts])
 
-    def compiled_propose(self, compile_fn: Callable[[Callable], Callable]
-                         ) -> Callable[[DecodeState, TreeSpec], DraftTree]:
-        """``propose`` with every ``compilable`` part's ``propose`` passed through ``compile_fn`` (the decoder's
-        ``torch.compile`` with ``compile=True``): the parts' trees come from their compiled code, the merge runs as
-        it is. Each tree a part is asked for (an adaptive budget's depth cuts) compiles once."""
-        proposes = [compile_fn(part.propose) if getattr(part, "compilable", False) else part.propose
-                    for part in self.parts]
-        return functools.partial(self._propose, proposes=proposes)
+    def compiled_calls(self, compile_fn: Callable[[Callable], Callable]
+                       ) -> tuple[Callable[..., DraftTree], Callable[..., None]]:
+        """``(propose, observe)`` with every ``compilable`` part's ``propose`` and ``observe`` passed through
+        ``compile_fn`` (the decoder's ``torch.compile`` with ``compile=True``), each once: the parts' trees and
+        catch-ups come from their compiled code, the merge runs as it is. Each tree a part is asked for (an
+        adaptive budget's depth cuts) compiles once."""
+        compiled = [getattr(part, "compilable", False) for part in self.parts]
+        proposes = [compile_fn(part.propose) if c else part.propose for part, c in zip(self.parts, compiled)]
+        observes = [compile_fn(part.observe) if c else part.observe for part, c in zip(self.parts, compiled)]
+        return (functools.partial(self._propose, proposes=proposes, observes=observes),
+                functools.partial(self._observe, observes=observes))
 
-    def _propose(self, state: DecodeState, tree: TreeSpec, proposes: Sequence[Callable]) -> DraftTree:
+    def _observe(self, state: DecodeState, tree: TreeSpec, observes: Sequence[Callable]) -> None:
+        for observe, spec in zip(observes, self._part_specs(tree)):
+            observe(state, spec if spec is not None else tree)
+
+    def _propose(self, state: DecodeState, tree: TreeSpec, proposes: Sequence[Callable],
+                 observes: Sequence[Callable]) -> DraftTree:
         trees = []
-        for part, propose, spec in zip(self.parts, proposes, self._part_specs(tree)):
+        for propose, observe, spec in zip(proposes, observes, self._part_specs(tree)):
             if spec is None:
-                part.observe(state, tree)
+                observe(state, tree)
                 trees.append(None)
             else:
                 trees.append(complete_tree(propose(state, spec), spec))

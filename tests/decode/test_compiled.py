@@ -3,12 +3,15 @@
 arguments are checked once per forward, not once per layer."""
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 
 import longspec_ops._checks as checks
 from longspec import (AdaptiveBudget, LongSpecDraft, LongSpecDrafter, MergedDrafter, PromptLookupDrafter,
                       SpeculativeDecoder)
+from longspec.decode.budget import BudgetOption, CostModel
 from longspec.decode.drafter import TreeSpec
 from longspec.decode.tree import tree_mask_from_parents, tree_positions
 from longspec.model.target import StaticKVCache, forward_extend, forward_tree, use_longspec_attention
@@ -52,25 +55,51 @@ def test_compiled_seeded_sampling_equals_plain_sampling():
 
 
 def test_a_merged_drafters_parts_are_compiled(monkeypatch):
-    """compile=True compiles a merged drafter's parts (each part's ``propose``; the merge itself runs as it is), with
-    and without an adaptive budget, and the output stays transformers' greedy one. torch.compile is replaced by a
-    recorder that returns the function unchanged, so this checks what is compiled, not the compiler (the real
-    compile of each part's propose: test_compiled_decoding_is_exact)."""
-    compiled = []
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: (compiled.append(fn), fn)[1])
+    """compile=True compiles a merged drafter's parts (each part's ``propose`` and ``observe``, once each; the merge
+    itself runs as it is), with and without an adaptive budget, and the output stays transformers' greedy one. Under
+    a budget that alternates plain rounds with the whole tree, every round calls the parts' compiled code and nothing
+    else of theirs: the plain rounds' catch-up (``observe``) is the draft step of the plain option. torch.compile is
+    replaced by a recorder that returns the function, counting its calls, so this checks what is compiled and run,
+    not the compiler (the real compile: test_compiled_decoding_is_exact)."""
+    compiled, calls = [], collections.Counter()
+
+    def record(fn, **kw):
+        compiled.append(fn)
+        name = (type(getattr(fn, "__self__", None)).__name__, fn.__name__)
+        return lambda *a, **k: (calls.update([name]), fn(*a, **k))[1]
+
+    monkeypatch.setattr(torch, "compile", record)
     target = tiny_target(FAMILY)
     ids, mask = ragged_batch([37, 22], seed=4, period=9)
     want, scores = hf_greedy(target, ids, mask, 24)
     draft = LongSpecDraft.from_target(target)
-    for budget in (None, AdaptiveBudget(budgets=(2,), depths=(1,))):
+    spec = TreeSpec.merged((2, 2), (1, 1))
+    alternating = AdaptiveBudget(options=[BudgetOption(None, 1), BudgetOption(spec, spec.num_nodes)])
+    for budget in (None, AdaptiveBudget(budgets=(2,), depths=(1,)), alternating):
         compiled.clear()
+        calls.clear()
         parts = (LongSpecDrafter(draft), PromptLookupDrafter())
-        dec = SpeculativeDecoder(target, MergedDrafter(*parts), tree_shape=TreeSpec.merged((2, 2), (1, 1)),
-                                 compile=True, budget=budget)
-        proposes = [fn for fn in compiled if getattr(fn, "__func__", None) in (type(p).propose for p in parts)]
-        assert [fn.__self__ for fn in proposes] == list(parts)
-        out = dec.generate(ids, 24, attention_mask=mask)
+        dec = SpeculativeDecoder(target, MergedDrafter(*parts), tree_shape=spec, compile=True, budget=budget)
+        mine = sorted((type(fn.__self__).__name__, fn.__name__) for fn in compiled
+                      if getattr(fn, "__self__", None) in parts)
+        assert mine == [("LongSpecDrafter", "observe"), ("LongSpecDrafter", "propose"),
+                        ("PromptLookupDrafter", "observe"), ("PromptLookupDrafter", "propose")]
+        if budget is alternating:
+            budget.costs = CostModel({b: {1: (1.0, 0.0), spec.num_nodes: (1.0, 0.0)} for b in (1, 2)},
+                                     {b: {o.draft_key: (0.0, 0.0) for o in budget.options} for b in (1, 2)})
+            rounds = iter(range(1000))
+            budget.choose = lambda *args: next(rounds) % 2  # plain, whole, plain, ...
+        with monkeypatch.context() as m:  # the parts' own methods run only inside their compiled wrappers
+            for part in parts:
+                for method in ("propose", "observe"):
+                    own = getattr(part, method)
+                    m.setattr(part, method, lambda *a, own=own, **k: pytest.fail(f"{own} ran uncompiled"))
+            out = dec.generate(ids, 24, attention_mask=mask)
         assert_same_tokens(out.sequences, want, scores, start=ids.shape[1])
+        if budget is alternating:
+            # the host enqueues one round past the last (dropped from the stats): it may be a plain one
+            plain = out.stats.option_per_round.count(budget.options[0].label)
+            assert plain >= 3 and plain <= calls[("LongSpecDrafter", "observe")] <= plain + 1, (plain, calls)
 
 
 def test_compiled_layers_are_switched_off_outside_generate():

@@ -83,11 +83,13 @@ def test_fp32_seed_exact_sampling(temperature, top_k, top_p):
     assert_same_tokens(spec, plain)
 
 
+@pytest.mark.parametrize("compile", [False, True], ids=["graphs", "compiled"])
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 1.0, "top_p": 0.9, "seed": 1234}], ids=["greedy", "seeded"])
-def test_fp32_adaptive_merged_equals_plain(sampling):
+def test_fp32_adaptive_merged_equals_plain(sampling, compile):
     """The adaptive merged drafter under CUDA graphs (prompt lookup's chain in ``prompt_lookup_chain``'s kernels,
-    the budget's statistics in ``record_acceptance_``'s, every option a captured graph): float32 greedy and
-    seed-exact sampled tokens equal plain decoding's while the budget switches between options."""
+    the budget's statistics in ``record_acceptance_``'s, every option a captured graph, the plain one's catch-up
+    too), compiled or not: float32 greedy and seed-exact sampled tokens equal plain decoding's while the budget
+    switches between options, plain rounds among them."""
     target = _cuda_target("llama-gqa-d64", torch.float32)
     ids, mask = ragged_batch([130, 63], seed=3, period=17)
     ids, mask = ids.cuda(), mask.cuda()
@@ -96,7 +98,7 @@ def test_fp32_adaptive_merged_equals_plain(sampling):
     budget = AdaptiveBudget(explore=2.0, window=4, budgets=(2, 4, 8), depths=(2,))
     drafter = MergedDrafter(LongSpecDrafter(LongSpecDraft.from_target(target)), PromptLookupDrafter())
     dec = SpeculativeDecoder(target, drafter, tree_shape=TreeSpec.merged((2, 4, 4), (1,) * 6), cuda_graphs=True,
-                             budget=budget)
+                             budget=budget, compile=compile)
     # a round costs 10 + 0.3 us per node, a plain one 7 us, drafting is free: the choice moves between options
     budget.costs = CostModel({b: {o.nodes: (7.0, 0.0) if o.spec is None else (10.0 + 0.3 * o.nodes, 0.0)
                                   for o in budget.options} for b in (2,)},
@@ -104,6 +106,8 @@ def test_fp32_adaptive_merged_equals_plain(sampling):
     out = dec.generate(ids, 48, attention_mask=mask, **sampling)
     assert_same_tokens(out.sequences, plain)
     assert len(set(out.stats.option_per_round)) >= 2, out.stats.option_per_round
+    plain_label = next(o.label for o in budget.options if o.spec is None)
+    assert plain_label in out.stats.option_per_round, out.stats.option_per_round
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

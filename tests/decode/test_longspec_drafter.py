@@ -318,6 +318,30 @@ def test_packed_projections_equal_the_parameters():
     assert packed_or_none(draft._packed) is not None and draft._packed.qkv_weight.dtype == torch.float64  # ... redone
 
 
+def test_observe_compiled_writes_what_eager_writes():
+    """compile=True compiles ``observe`` (a budget's plain rounds run it in their draft step): it traces as one
+    torch.compile graph and writes the caches the eager call writes, over rounds it sits out one after another, each
+    committing 1 to 3 tokens (a window of 6 and depth 2: every call writes up to 3 positions)."""
+    target = tiny_target("llama", (4, 2))
+    draft = LongSpecDraft.from_target(target, window=6)
+    randomize(draft)
+    spec = TreeSpec((2, 3))
+    g = torch.Generator().manual_seed(5)
+    state = make_state(target, [torch.randint(0, 160, (n,), generator=g).tolist() for n in (9, 4)], 60, seed=2)
+    eager, compiled = LongSpecDrafter(draft), LongSpecDrafter(draft)
+    observe = torch.compile(compiled.observe, fullgraph=True)
+    eager.prefill(state, spec)
+    compiled.prefill(state, spec)
+    tree = eager.propose(state, spec)
+    compiled.propose(state, spec)
+    for _ in range(5):
+        commit_random_path(state, tree, g)
+        eager.observe(state, spec)
+        observe(state, spec)
+        for name, want in vars(eager.cache).items():
+            torch.testing.assert_close(getattr(compiled.cache, name), want, rtol=1e-6, atol=1e-6, msg=name)
+
+
 # --- checks ----------------------------------------------------------------------------------------------------------
 
 
